@@ -1,0 +1,3 @@
+from slime_async.cli.main import main
+
+main()

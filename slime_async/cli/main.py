@@ -1,0 +1,194 @@
+"""`slime-async`: the command line. Each command parses its arguments and calls one part."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from slime_async.config import ConfigError, load_config, to_yaml
+
+app = typer.Typer(
+    name="slime-async",
+    help="Asynchronous agentic RL post-training: SGLang rollouts, ZeroMQ buffer, torch/Megatron trainer.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+console = Console()
+err_console = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., Any])
+
+ConfigArg = Annotated[Path, typer.Argument(help="YAML config file (see configs/).", show_default=False)]
+OverridesArg = Annotated[
+    list[str] | None,
+    typer.Argument(help="Overrides as key.sub=value, e.g. rollout.group_size=4.", show_default=False),
+]
+
+
+def fail(message: str) -> NoReturn:
+    """Print one error line naming the place and the fix, exit with code 2."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def clear_errors(fn: F) -> F:
+    """Turn the errors that mean bad input into one line and exit code 2, not a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (ConfigError, FileExistsError) as exc:
+            fail(str(exc))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def not_yet(command: str, what: str, issue: int) -> NoReturn:
+    fail(
+        f"`slime-async {command}` is not available yet: {what} lands with issue #{issue}. "
+        "Available now: init-model, config show, bench."
+    )
+
+
+def _load(config: Path, overrides: list[str] | None):  # -> Config
+    cfg = load_config(config, overrides or [])
+    from slime_async.config.model_dir import resolve_model_path
+
+    resolve_model_path(cfg.model.path)
+    return cfg
+
+
+@app.command()
+@clear_errors
+def train(config: ConfigArg, overrides: OverridesArg = None) -> None:
+    """Train: engines, rollout workers, buffer and trainer, fully asynchronous."""
+    _load(config, overrides)
+    not_yet("train", "the fully asynchronous training loop", 8)
+
+
+@app.command()
+@clear_errors
+def rollout(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    out: Annotated[Path, typer.Option(help="JSONL file for the trajectories.")] = Path("trajectories.jsonl"),
+) -> None:
+    """Generate trajectories only (no training) and write them to a JSONL file."""
+    _load(config, overrides)
+    not_yet("rollout", "the rollout scheduler", 5)
+
+
+@app.command()
+@clear_errors
+def serve(
+    model: Annotated[str, typer.Option(help="HF model directory, or `tiny`.")] = "tiny",
+    host: str = "127.0.0.1",
+    port: int = 30000,
+) -> None:
+    """Start the embedded inference engine (SGLang's HTTP API) on one model."""
+    from slime_async.config.model_dir import resolve_model_path
+
+    resolve_model_path(model, field="--model")
+    not_yet("serve", "the embedded engine", 3)
+
+
+@app.command("init-model")
+@clear_errors
+def init_model(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the model into.", show_default=False)],
+    preset: Annotated[str, typer.Option(help="Model size: tiny (~3.4M), small, 100m, 0.5b.")] = "tiny",
+    seed: int = 0,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT_DIR if it exists.")] = False,
+) -> None:
+    """Make a tiny local model (BPE tokenizer, chat template with tools, random Qwen2). No download."""
+    from slime_async.train.tiny_model import PRESETS, make_model
+
+    if preset not in PRESETS:
+        fail(f"--preset: got {preset!r}; expected one of {', '.join(map(repr, PRESETS))}")
+    start = time.perf_counter()
+    with console.status(f"making the {preset} model in {out_dir} ..."):
+        make_model(out_dir, PRESETS[preset], seed=seed, overwrite=force)
+    made_s = time.perf_counter() - start
+    summary = _describe_model(out_dir)
+    table = Table(title=f"{out_dir} ({made_s:.1f} s)", show_header=False)
+    for key, value in summary.items():
+        table.add_row(key, str(value))
+    console.print(table)
+
+
+def _describe_model(path: Path) -> dict[str, Any]:
+    """Load the directory back the way users will, and check that its chat template works."""
+    from transformers import AutoModelForCausalLM
+
+    from slime_async.config.model_dir import check_model_dir, load_tokenizer
+
+    check_model_dir(path)
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    messages = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "2 + 3"}}}
+            ],
+        },
+        {"role": "tool", "content": "5"},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return {
+        "architecture": type(model).__name__,
+        "parameters": f"{sum(p.numel() for p in model.parameters()):,}",
+        "vocabulary": f"{len(tokenizer):,} tokens (embedding rows {model.config.vocab_size:,})",
+        "size on disk": f"{size / 2**20:.1f} MiB",
+        "tool-call prompt": f"{len(tokenizer(rendered, add_special_tokens=False)['input_ids'])} tokens",
+        "loads with": "AutoTokenizer, AutoModelForCausalLM",
+    }
+
+
+@app.command()
+@clear_errors
+def bench(
+    name: Annotated[str | None, typer.Argument(help="Benchmark to run.", show_default=False)] = None,
+    list_: Annotated[bool, typer.Option("--list", help="List the benchmarks.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="A shorter run (fewer repeats), for smoke tests.")] = False,
+) -> None:
+    """Run a benchmark: prints a table, writes benchmarks/results/NAME.json, ends with its headline."""
+    from benchmarks import available, run_benchmark
+
+    names = available()
+    if list_ or name is None:
+        table = Table("benchmark", "what it measures")
+        for bench_name, description in names.items():
+            table.add_row(bench_name, description)
+        console.print(table)
+        return
+    if name not in names:
+        fail(f"unknown benchmark {name!r}; available: {', '.join(names)} (see `slime-async bench --list`)")
+    run_benchmark(name, quick=quick, console=console)
+
+
+@config_app.command("show")
+@clear_errors
+def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
+    """Print the resolved config (file + overrides + defaults) as YAML."""
+    cfg = load_config(config, overrides or [])
+    sys.stdout.write(to_yaml(cfg))
+
+
+def main() -> None:
+    app()

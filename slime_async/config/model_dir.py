@@ -1,0 +1,52 @@
+"""Checking that `model.path` names a usable model directory, before any part starts on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from slime_async.config.loader import ConfigError
+
+TINY = "tiny"
+
+
+def resolve_model_path(path: str, field: str = "model.path") -> Path:
+    """The directory that `model.path` means: `tiny` is the cached tiny model (made on first use)."""
+    if path == TINY:
+        from slime_async.train.tiny_model import cached_model_dir
+
+        return cached_model_dir("tiny", seed=0)
+    return check_model_dir(path, field)
+
+
+def check_model_dir(path: str | Path, field: str = "model.path") -> Path:
+    """Return `path` if it holds a HF causal LM config and a tokenizer with a chat template.
+
+    Raises ConfigError naming `field`, the directory and the fix otherwise.
+    """
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ConfigError(
+            f"{field}: {p} does not exist; make a tiny model there with `slime-async init-model {p}` "
+            f"or set {field} to a Hugging Face model directory"
+        )
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{field}: {p} has no config.json, so it is not a Hugging Face model directory")
+    tokenizer = load_tokenizer(p, field)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"{field}: the tokenizer in {p} has no chat template; add a chat_template.jinja that "
+            "renders tools (Qwen/Hermes <tool_call> style), or use a chat model's directory"
+        )
+    return p
+
+
+def load_tokenizer(path: str | Path, field: str = "model.path") -> Any:
+    """Load the HF tokenizer of a model directory, turning failures into a ConfigError."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        reason = " ".join(str(exc).split())[:300]
+        raise ConfigError(f"{field}: cannot load a tokenizer from {path}: {reason}") from None

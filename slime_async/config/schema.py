@@ -1,0 +1,147 @@
+"""The config tree: every setting of a run, its type, its default and what it means.
+
+This is the only place defaults live. Each section belongs to one part (DESIGN.md); the part
+reads its section and nothing else. Unknown keys are errors, so a typo never silently falls back
+to a default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+Probability = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every config section: keyword-only, unknown keys rejected."""
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    """Name of the run; the run directory is `dir/name`."""
+    dir: str = "runs"
+    """Parent directory of run directories (resolved config, metrics, checkpoints)."""
+    seed: int = 0
+    """Seed for tasks, sampling and initialisation; the same seed gives the same run on CPU."""
+
+
+class ModelConfig(_Section):
+    path: str = "tiny"
+    """A Hugging Face model directory, or `tiny` for the local tiny model (`slime-async init-model`),
+    made on first use under the cache directory."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` picks cuda when a GPU is present, else cpu."""
+
+
+class SamplingConfig(_Section):
+    """SGLang's sampling parameters, with SGLang's names."""
+
+    temperature: NonNegativeFloat = 1.0
+    top_p: Probability = 1.0
+    top_k: int = -1
+    """-1 disables top-k, as in SGLang."""
+    max_new_tokens: PositiveInt = 128
+    """Per model call (per turn)."""
+
+
+class EngineConfig(_Section):
+    kind: Literal["embedded", "sglang"] = "embedded"
+    """`embedded`: slime_async's own server speaking SGLang's API (CPU or one GPU).
+    `sglang`: real SGLang servers, launched or attached through `urls`."""
+    urls: list[str] = []
+    """Attach to servers already running at these URLs instead of launching any."""
+    num_engines: PositiveInt = 1
+    host: str = "127.0.0.1"
+    """Bind address; anything but loopback requires `admin_token`."""
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 30000
+    """Port of the first engine; engine i listens on port + i."""
+    max_batch_size: PositiveInt = 32
+    """Most sequences decoded together (continuous batching)."""
+    admin_token: str | None = None
+    """Token required by weight-update, pause and flush endpoints off loopback."""
+
+
+class EnvConfig(_Section):
+    name: str = "envs.calculator:CalculatorEnv"
+    """The environment class, as `module:Class`."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for the environment (task generation, limits)."""
+
+
+class RolloutConfig(_Section):
+    group_size: PositiveInt = 8
+    """Samples per task (GRPO's n)."""
+    batch_size: PositiveInt = 64
+    """Trajectories per optimizer step (B in the staleness rule)."""
+    max_staleness: NonNegativeInt = 2
+    """Bound eta: a trajectory's tokens are at most this many versions older than the trainer.
+    0 is synchronous on-policy."""
+    max_concurrency: PositiveInt = 256
+    """Most episodes in flight per rollout worker."""
+    num_workers: PositiveInt = 1
+    """Rollout worker processes (one asyncio loop each)."""
+    partial_mode: Literal["in_place", "abort"] = "in_place"
+    """At a weight update, in-flight requests continue on the new weights (`in_place`) or are
+    aborted and resumed with their partial output (`abort`)."""
+    filter_equal_rewards: bool = True
+    """Drop groups whose rewards are all equal (no learning signal), counted (DAPO-style)."""
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+
+
+class BufferConfig(_Section):
+    policy: Literal["fifo", "freshest"] = "fifo"
+    """Which ready groups the trainer gets first."""
+    endpoint: str = "tcp://127.0.0.1:0"
+    """ZeroMQ endpoint of the buffer server; port 0 picks a free port. Off loopback needs CURVE."""
+    group_timeout_s: PositiveFloat | None = None
+    """Release an incomplete group after this long as a smaller group (counted); None waits."""
+
+
+class TrainConfig(_Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    steps: PositiveInt = 200
+    """Optimizer steps to run."""
+    lr: PositiveFloat = 1e-4
+    loss: Literal["grpo", "dr_grpo", "gspo", "cispo", "ppo", "decoupled_ppo"] = "decoupled_ppo"
+    micro_batch_size: PositiveInt = 16
+    """Sequences per forward/backward; gradients accumulate over the batch."""
+    grad_clip: NonNegativeFloat = 1.0
+    """Max gradient norm; 0 disables clipping."""
+    checkpoint_every: NonNegativeInt = 50
+    """Save a checkpoint every this many steps; 0 only at the end."""
+
+
+class SyncConfig(_Section):
+    mode: Literal["tensor", "disk", "nccl"] = "tensor"
+    """How weights reach the engines: serialized tensors over HTTP, safetensors on disk, or NCCL."""
+    bucket_mb: PositiveInt = 512
+    """Largest single weight-update request."""
+
+
+class LogConfig(_Section):
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    """Log to Weights & Biases under this project when set."""
+    every_s: PositiveFloat = 10.0
+    """Seconds between metric lines."""
+
+
+class Config(_Section):
+    """The whole run: one section per part."""
+
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    sync: SyncConfig = msgspec.field(default_factory=SyncConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)

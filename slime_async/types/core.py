@@ -1,0 +1,226 @@
+"""The Structs that every part of slime_async passes around.
+
+One episode of an agent is a `Trajectory`: the `Task` it solved, and the `Turn`s it took. A
+turn is what the environment appended to the conversation (prompt tokens, never trained on)
+followed by what the model generated (completion tokens, each with its logprob and the weight
+version that produced it). Tokens are the truth: text is only ever derived from them.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from slime_async.types.arrays import (
+    LOGPROB_DTYPE,
+    MASK_DTYPE,
+    TOKEN_DTYPE,
+    VERSION_DTYPE,
+    as_array,
+)
+
+SCHEMA_VERSION = 1
+"""Version of the wire schema. Bump it when a field changes meaning or a required field is added;
+readers reject frames from a newer schema instead of misreading them."""
+
+Role = Literal["system", "user", "assistant", "tool"]
+JSON = Any
+"""A value that JSON can hold: dict, list, str, int, float, bool or None."""
+
+
+def new_id() -> str:
+    """A fresh random identifier (32 hex digits), unique across workers and restarts."""
+    return uuid.uuid4().hex
+
+
+class StopReason(enum.Enum):
+    """Why an episode ended. Every ending has exactly one."""
+
+    DONE = "done"
+    """The environment declared the episode finished (an answer was given, the game ended)."""
+    TRUNCATED = "truncated"
+    """The model's reply hit `max_new_tokens` and the environment could not continue from it."""
+    MAX_TURNS = "max_turns"
+    """The turn limit was reached."""
+    MAX_TOOL_CALLS = "max_tool_calls"
+    """The tool-call limit was reached."""
+    MAX_TOKENS = "max_tokens"
+    """The episode's total token budget (or the model's context) was exhausted."""
+    TURN_TIMEOUT = "turn_timeout"
+    """One turn (generation plus tools) ran past its wall-clock limit."""
+    EPISODE_TIMEOUT = "episode_timeout"
+    """The whole episode ran past its wall-clock limit."""
+    PARSE_ERROR = "parse_error"
+    """The model's replies could not be parsed (bad tool-call JSON) too many times in a row."""
+    ENV_ERROR = "env_error"
+    """The environment itself raised (setup, a reward, on_reply); the message is in `metrics`/`error`."""
+    SERVER_ERROR = "server_error"
+    """The inference server failed the request after retries and failover."""
+    ABORTED = "aborted"
+    """The episode was cancelled (shutdown, or the scheduler withdrew it)."""
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One call of a tool, as parsed from the model's reply."""
+
+    name: str
+    """The tool's name, as the environment declares it."""
+    arguments: dict[str, JSON] = {}
+    """Arguments by name, parsed from JSON (not yet validated against the tool's schema)."""
+    id: str = msgspec.field(default_factory=lambda: "call_" + new_id()[:12])
+    """Identifier that the tool's response refers back to."""
+
+
+class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One chat message, in the shape chat templates expect."""
+
+    role: Role
+    content: str = ""
+    tool_calls: list[ToolCall] = []
+    """Calls the assistant made in this message (assistant messages only)."""
+    tool_call_id: str | None = None
+    """For a tool message: the id of the call it answers."""
+    name: str | None = None
+    """For a tool message: the name of the tool that answered."""
+
+    def to_chat(self) -> dict[str, JSON]:
+        """This message as the dict that HF chat templates take (OpenAI's shape)."""
+        out: dict[str, JSON] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One problem for an environment to pose."""
+
+    id: str
+    """Stable identifier, unique within its data source (used for grouping and resume)."""
+    prompt: str | list[Message]
+    """The problem as text (the env wraps it in messages) or as ready chat messages."""
+    answer: JSON = None
+    """The label a verifier checks against (slime calls it `label`)."""
+    metadata: dict[str, JSON] = {}
+    """Anything else the environment needs (difficulty, hidden tests, the split)."""
+
+
+class Turn(msgspec.Struct, kw_only=True):
+    """One model call of an episode and the tokens around it.
+
+    `prompt_ids` are the tokens appended to the conversation before this call (the whole rendered
+    prompt on the first turn, then tool responses and user messages): environment tokens, never
+    trained on. `completion_ids` are the tokens the server generated, with one logprob, one weight
+    version and one loss-mask value each. Lists are accepted on construction and become arrays.
+    """
+
+    prompt_ids: np.ndarray
+    completion_ids: np.ndarray
+    logprobs: np.ndarray
+    """Behaviour logprob of each completion token, as the inference server reported it."""
+    versions: np.ndarray
+    """Weight version that produced each completion token."""
+    loss_mask: np.ndarray | None = None
+    """1 for a completion token to train on, 0 to ignore (e.g. a masked malformed turn).
+    None means all ones."""
+    finish_reason: str = ""
+    """The server's finish reason for this call: stop, length or abort."""
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = as_array(self.prompt_ids, TOKEN_DTYPE, "prompt_ids")
+        self.completion_ids = as_array(self.completion_ids, TOKEN_DTYPE, "completion_ids")
+        self.logprobs = as_array(self.logprobs, LOGPROB_DTYPE, "logprobs")
+        self.versions = as_array(self.versions, VERSION_DTYPE, "versions")
+        if self.loss_mask is None:
+            self.loss_mask = np.ones(len(self.completion_ids), dtype=MASK_DTYPE)
+        else:
+            self.loss_mask = as_array(self.loss_mask, MASK_DTYPE, "loss_mask")
+        n = len(self.completion_ids)
+        for field in ("logprobs", "versions", "loss_mask"):
+            if len(getattr(self, field)) != n:
+                raise ValueError(
+                    f"{field} has {len(getattr(self, field))} entries but completion_ids has {n}: "
+                    "every completion token needs exactly one"
+                )
+
+
+class Trajectory(msgspec.Struct, kw_only=True):
+    """One finished episode: the unit that travels from rollout workers to the trainer."""
+
+    task_id: str
+    group_id: str
+    """Episodes of the same task sampled together (GRPO's group) share this."""
+    sample_index: int
+    """Position of this episode within its group, 0..n-1."""
+    turns: list[Turn]
+    stop_reason: StopReason
+    rewards: dict[str, float] = {}
+    """Each named reward, unweighted, as the environment's `@reward` methods returned them."""
+    reward: float = 0.0
+    """The scalar that trains: the weighted sum of `rewards` (plus any group reward)."""
+    metrics: dict[str, float] = {}
+    """Named measurements that do not train (tool calls made, answer length, ...)."""
+    timings: dict[str, float] = {}
+    """Seconds spent, by phase (generate, tools, reward, total)."""
+    env: str = ""
+    """Which environment produced it, as named in the config (`envs.calculator:CalculatorEnv`)."""
+    error: str = ""
+    """For ENV_ERROR and SERVER_ERROR endings: what went wrong, for people."""
+    id: str = msgspec.field(default_factory=new_id)
+    """Unique id; the buffer de-duplicates on it, so redelivery never trains twice."""
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(t.completion_ids) for t in self.turns)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t.prompt_ids) + len(t.completion_ids) for t in self.turns)
+
+    def min_version(self) -> int | None:
+        """Oldest weight version among the generated tokens (None if none were generated)."""
+        versions = [int(t.versions.min()) for t in self.turns if len(t.versions)]
+        return min(versions) if versions else None
+
+    def staleness(self, trainer_version: int) -> int:
+        """DESIGN.md's rule: trainer version minus the oldest version among its tokens."""
+        oldest = self.min_version()
+        return 0 if oldest is None else trainer_version - oldest
+
+    def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The whole sequence as (token ids, behaviour logprobs, loss mask), one entry per token.
+
+        Prompt tokens have logprob 0 and mask 0; completion tokens keep theirs.
+        """
+        ids, logprobs, mask = [], [], []
+        for t in self.turns:
+            ids += [t.prompt_ids, t.completion_ids]
+            logprobs += [np.zeros(len(t.prompt_ids), LOGPROB_DTYPE), t.logprobs]
+            mask += [np.zeros(len(t.prompt_ids), MASK_DTYPE), t.loss_mask]
+        if not ids:
+            return np.zeros(0, TOKEN_DTYPE), np.zeros(0, LOGPROB_DTYPE), np.zeros(0, MASK_DTYPE)
+        return np.concatenate(ids), np.concatenate(logprobs), np.concatenate(mask)
+
+
+class Group(msgspec.Struct, kw_only=True):
+    """The episodes sampled together for one task (GRPO normalises rewards within it)."""
+
+    group_id: str
+    task_id: str
+    trajectories: list[Trajectory]
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]

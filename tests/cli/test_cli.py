@@ -1,0 +1,116 @@
+"""The `slime-async` command: every command through typer's runner, and the real entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+import benchmarks
+from slime_async.cli.main import app
+from slime_async.config import Config, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def test_help_lists_the_commands() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("train", "rollout", "serve", "init-model", "bench", "config"):
+        assert command in result.stdout
+
+
+def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
+    result = invoke("config", "show", str(REPO / "configs/local.yaml"), "rollout.group_size=4")
+    assert result.exit_code == 0, result.output
+    shown = yaml.safe_load(result.stdout)
+    assert shown["rollout"]["group_size"] == 4
+    assert shown["rollout"]["max_staleness"] == 2
+    path = tmp_path / "shown.yaml"
+    path.write_text(result.stdout)
+    assert load_config(path) == load_config(REPO / "configs/local.yaml", ["rollout.group_size=4"])
+    assert isinstance(load_config(path), Config)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["config", "show", "configs/local.yaml", "rollout.sampling.temprature=2"], "did you mean 'temperature'?"),
+        (["config", "show", "no/such.yaml"], "no/such.yaml: no such config file"),
+        (["train", "configs/local.yaml", "train.lr=-1"], "train.lr: got -1; expected float > 0.0"),
+        (["train", "configs/local.yaml", "model.path=/no/model"], "model.path: /no/model does not exist"),
+        (["serve", "--model", "/no/model"], "--model: /no/model does not exist"),
+        (["bench", "nope"], "unknown benchmark 'nope'; available: codec"),
+        (["init-model", "x", "--preset", "huge"], "--preset: got 'huge'; expected one of 'tiny'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(monkeypatch: pytest.MonkeyPatch, args: list[str], expected: str) -> None:
+    monkeypatch.chdir(REPO)
+    result = invoke(*args)
+    assert result.exit_code == 2
+    message = " ".join(result.stderr.split())
+    assert message.startswith("error: ") and expected in message
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "issue"),
+    [
+        (["train", "configs/local.yaml"], 8),
+        (["rollout", "configs/local.yaml"], 5),
+        (["serve"], 3),
+    ],
+)
+def test_commands_of_later_issues_say_so(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, args: list[str], issue: int
+) -> None:
+    monkeypatch.chdir(REPO)
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert "is not available yet" in result.stderr and f"issue #{issue}" in result.stderr
+
+
+def test_init_model_writes_and_describes(tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    result = invoke("init-model", str(out), "--seed", "3")
+    assert result.exit_code == 0, result.output
+    assert (out / "model.safetensors").is_file() and (out / "chat_template.jinja").is_file()
+    assert "Qwen2ForCausalLM" in result.stdout and "parameters" in result.stdout
+    again = invoke("init-model", str(out))
+    assert again.exit_code == 2 and "exists and is not empty" in again.stderr
+    assert invoke("init-model", str(out), "--force").exit_code == 0
+
+
+def test_bench_lists_runs_and_writes_results(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    listed = invoke("bench", "--list")
+    assert listed.exit_code == 0 and "codec" in listed.stdout
+    monkeypatch.setattr(benchmarks, "RESULTS_DIR", tmp_path)
+    result = invoke("bench", "codec", "--quick")
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "codec.json").read_text())
+    assert record["benchmark"] == "codec" and len(record["rows"]) == 6
+    assert result.stdout.strip().splitlines()[-1] == record["headline"]
+    assert "(goal" in record["headline"]
+
+
+def test_real_entry_point_process() -> None:
+    """The installed console script and `python -m`, as separate processes with real exit codes."""
+    script = Path(sys.executable).with_name("slime-async")
+    ok = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "init-model" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "slime_async.cli", "config", "show", str(REPO / "configs/local.yaml"), "x.y=1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and "x: unknown key" in bad.stderr
