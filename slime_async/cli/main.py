@@ -131,11 +131,13 @@ def init_model(
 def _describe_model(path: Path) -> dict[str, Any]:
     """Load the directory back the way users will, and check that its chat template works."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from slime_async.config.model_dir import check_model_dir, load_tokenizer
 
     check_model_dir(path)
     tokenizer = load_tokenizer(path)
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(path))
     messages = [
         {"role": "user", "content": "What is 2 + 3?"},

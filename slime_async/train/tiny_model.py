@@ -88,6 +88,9 @@ def make_model(out_dir: str | Path, spec: ModelSpec = PRESETS["tiny"], seed: int
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty: choose another directory or overwrite it")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one shard of a few MB: its progress bar is only noise
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
