@@ -58,7 +58,7 @@ def clear_errors(fn: F) -> F:
 def not_yet(command: str, what: str, issue: int) -> NoReturn:
     fail(
         f"`slime-async {command}` is not available yet: {what} lands with issue #{issue}. "
-        "Available now: init-model, config show, bench."
+        "Available now: init-model, serve, config show, bench."
     )
 
 
@@ -95,13 +95,30 @@ def rollout(
 def serve(
     model: Annotated[str, typer.Option(help="HF model directory, or `tiny`.")] = "tiny",
     host: str = "127.0.0.1",
-    port: int = 30000,
+    port: Annotated[int, typer.Option(help="Port; 0 picks a free one (printed).")] = 30000,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together.")] = 32,
+    context_length: Annotated[int | None, typer.Option(help="Longest sequence; default the model's.")] = None,
+    seed: int = 0,
+    admin_token: Annotated[str | None, typer.Option(help="Required off loopback for weight/pause endpoints.")] = None,
 ) -> None:
     """Start the embedded inference engine (SGLang's HTTP API) on one model."""
     from slime_async.config.model_dir import resolve_model_path
+    from slime_async.engine.launch import load_engine
+    from slime_async.engine.launch import serve as serve_engine
 
-    resolve_model_path(model, field="--model")
-    not_yet("serve", "the embedded engine", 3)
+    path = resolve_model_path(model, field="--model")
+    if device not in ("auto", "cpu", "cuda"):
+        fail(f"--device: got {device!r}; expected one of 'auto', 'cpu', 'cuda'")
+    if dtype not in ("float32", "bfloat16"):
+        fail(f"--dtype: got {dtype!r}; expected one of 'float32', 'bfloat16'")
+    try:
+        engine = load_engine(path, device=device, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
+                             context_length=context_length)
+        serve_engine(engine, str(path), host=host, port=port, admin_token=admin_token)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
 
 
 @app.command("init-model")

@@ -1,0 +1,283 @@
+"""The embedded engine's core: continuous batching on one thread, weight updates between steps.
+
+One thread owns the model. Each iteration it runs the control commands that arrived (weight
+updates, pause, abort), admits waiting sequences into free cache slots (prefill), and runs one
+decode step for every running sequence. Sequences join and leave between steps. Torch releases
+the GIL in its kernels, so the HTTP server's event loop stays responsive beside it.
+
+Every generated token records the weight version in effect when it was sampled, so a request
+that spans an update reports SGLang's `weight_versions` spans exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slime_async.engine.model import SlotModel
+from slime_async.engine.protocol import SamplingParams
+from slime_async.engine.sampling import sample
+
+
+@dataclass
+class Sequence:
+    """One sample being generated: its prompt, what it produced so far, and how it ended."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    on_update: Callable[[Sequence], None] | None = None
+    """Called (on the engine thread) after each new token, for streaming."""
+    on_finish: Callable[[Sequence], None] | None = None
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    slot: int | None = None
+    cached: int = 0
+    """Tokens of prompt + output whose keys and values are in the slot's cache."""
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+
+class Engine:
+    """Continuous-batching generation over a `SlotModel`; thread-safe entry points."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        max_batch_size: int = 32,
+        context_length: int | None = None,
+        seed: int = 0,
+        weight_version: str = "0",
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.context_length = context_length or int(model.config.max_position_embeddings)
+        self.slots = SlotModel(model, max_batch_size, self.context_length)
+        self.generator = torch.Generator(device=self.slots.device).manual_seed(seed)
+        self.weight_version = weight_version
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) or model.config.eos_token_id
+        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.vocab_size = int(model.config.vocab_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.paused = False
+        self.steps = 0
+        self.generated_tokens = 0
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # --- entry points (any thread) --------------------------------------------------------
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence; its `on_finish` is called on the engine thread when it ends."""
+        self.call(lambda: self.waiting.append(seq))
+
+    def call(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Future | None:
+        """Run `fn` on the engine thread between steps; with `loop`, return a future of its result."""
+        future = loop.create_future() if loop is not None else None
+        self._commands.put((fn, future, loop))
+        self._wake.set()
+        return future
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # --- the loop (engine thread) ---------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._run_commands()
+            if self.paused or (not self.waiting and not self.running):
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                self._admit()
+                if self.running:
+                    self._decode()
+            except Exception as exc:  # a bug must not leave clients waiting forever
+                for seq in [*self.running, *self.waiting]:
+                    self._finish(seq, {"type": "abort", "message": f"engine error: {exc!r}"})
+                self.waiting.clear()
+                raise
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future, loop = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result, error = fn(), None
+            except Exception as exc:
+                result, error = None, exc
+            if future is not None and loop is not None:
+                loop.call_soon_threadsafe(_resolve, future, result, error)
+
+    def _free_slot(self) -> int | None:
+        used = {s.slot for s in self.running}
+        return next((i for i in range(self.max_batch_size) if i not in used), None)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting.popleft()
+            seq.slot = self._free_slot()
+            tokens = seq.prompt + seq.output  # after a retract, re-prefill what was generated
+            logits = self.slots.prefill(seq.slot, tokens)[-1:]
+            seq.cached = len(tokens)
+            self.running.append(seq)
+            self._sample([seq], logits)
+
+    def _decode(self) -> None:
+        batch = sorted(self.running, key=lambda s: s.slot)
+        logits = self.slots.decode(
+            [s.slot for s in batch], [s.output[-1] for s in batch], [s.length - 1 for s in batch]
+        )
+        for s in batch:
+            s.cached = s.length
+        self.steps += 1
+        self._sample(batch, logits)
+
+    def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> None:
+        params = [s.params for s in batch]
+        device = logits.device
+        tokens, logprobs = sample(
+            logits,
+            torch.tensor([p.temperature for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.min_p for p in params], device=device),
+            self.generator,
+        )
+        for seq, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
+            seq.output.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self.weight_version)
+            self.generated_tokens += 1
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+            elif seq.on_update is not None:
+                seq.on_update(seq)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> dict[str, Any] | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_ids:
+            return {"type": "stop", "matched": token}
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if p.stop:
+            tail = self.tokenizer.decode(seq.output[-32:])
+            for stop in [p.stop] if isinstance(p.stop, str) else p.stop:
+                if stop and tail.endswith(stop):
+                    return {"type": "stop", "matched": stop}
+        if len(seq.output) >= p.max_new_tokens:
+            return {"type": "length", "length": len(seq.output)}
+        if seq.length >= self.context_length:
+            return {"type": "length", "length": len(seq.output)}
+        return None
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.slot = None
+        if seq.on_finish is not None:
+            seq.on_finish(seq)
+
+    # --- control (run on the engine thread through `call`) --------------------------------
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        """Finish matching sequences now with finish_reason abort; they keep their partial output."""
+        victims = [
+            s for s in [*self.running, *self.waiting]
+            if abort_all or s.rid == rid or s.rid.startswith(f"{rid}-")
+        ]
+        for seq in victims:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            self._finish(seq, {"type": "abort", "message": "aborted"})
+        return len(victims)
+
+    def pause(self, mode: str) -> int:
+        """SGLang's three modes: abort (return partial outputs), retract (re-queue), in_place."""
+        self.paused = True
+        if mode == "abort":
+            return self.abort(abort_all=True)
+        if mode == "retract":
+            retracted = list(self.running)
+            for seq in reversed(retracted):
+                self.running.remove(seq)
+                seq.slot, seq.cached = None, 0
+                self.waiting.appendleft(seq)
+            return len(retracted)
+        return len(self.running)
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: str | None) -> int:
+        """Copy named tensors (HF names) into the model, all or nothing; set the version.
+
+        Every name and shape is checked before the first copy, so a bad update changes nothing.
+        """
+        # tied weights answer to both names (lm_head.weight and model.embed_tokens.weight)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, tensor in tensors.items():
+            if name not in params:
+                raise ValueError(f"unknown weight name {name!r}")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(params[name].shape)}"
+                )
+            if not tensor.is_floating_point() and params[name].is_floating_point():
+                raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating point tensor")
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)
+        if version is not None:
+            self.weight_version = version
+        return len(tensors)
+
+    def set_version(self, version: str) -> None:
+        self.weight_version = version
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def version_spans(versions: list[str]) -> list[dict[str, Any]]:
+    """SGLang's `weight_versions`: [{version, start, end}] runs over the output tokens (end exclusive)."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans

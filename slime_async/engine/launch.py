@@ -1,0 +1,55 @@
+"""Building an engine from a model directory and serving it until interrupted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import sys
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from slime_async.engine.core import Engine
+from slime_async.engine.server import EngineServer
+
+
+def load_engine(model_path: str | Path, device: str = "auto", dtype: str = "float32", max_batch_size: int = 32,
+                seed: int = 0, context_length: int | None = None) -> Engine:
+    """Load tokenizer and model with transformers and wrap them in an `Engine`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype)).to(device)
+    return Engine(model, tokenizer, max_batch_size=max_batch_size, seed=seed, context_length=context_length)
+
+
+def serve(engine: Engine, model_path: str, host: str = "127.0.0.1", port: int = 30000,
+          admin_token: str | None = None) -> None:
+    """Serve until SIGINT/SIGTERM. Prints `serving on http://HOST:PORT` once bound (port 0 picks one)."""
+    server = EngineServer(engine, model_path, host=host, admin_token=admin_token)
+
+    async def main() -> None:
+        runner = web.AppRunner(server.app, handle_signals=True)
+        await runner.setup()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        site = web.SockSite(runner, sock)
+        await site.start()
+        bound = sock.getsockname()[1]
+        print(f"serving on http://{host}:{bound}", flush=True)
+        sys.stdout.flush()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+            engine.shutdown()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())

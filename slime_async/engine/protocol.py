@@ -1,0 +1,193 @@
+"""Request bodies of SGLang's HTTP API that the embedded engine serves, with SGLang's field names.
+
+The reference is SGLang 0.5.23: `sglang/srt/managers/io_struct.py` and the JSON contract of
+`sglang/api/v1/api_types.py`; `tests/engine/test_conformance.py` checks every field here against
+them. As in SGLang, unknown keys inside `sampling_params` are refused and unknown top-level keys of
+`/generate` are ignored (sglang-router adds `model`). Fields SGLang defines that the embedded engine
+does not implement are accepted only at their neutral value; any other value is a 400 that names
+the field, so a request never silently means something else here than on SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class SamplingParams(_Body):
+    """SGLang's `sampling_params` (sglang/srt/sampling/sampling_params.py)."""
+
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=0)] = 128
+    temperature: NonNegFloat = 1.0
+    """0 is greedy."""
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables top-k."""
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    stop: str | list[str] | None = None
+    """Stop strings: generation ends when the decoded output ends with one (it stays in the output)."""
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: Annotated[int, msgspec.Meta(ge=1)] = 1
+    sampling_seed: int | None = None
+    """Seed of this request's sampler (deterministic output for a fixed seed and batch)."""
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # SGLang's, not implemented here: refused unless neutral (see `unsupported_fields`)
+    stop_regex: Any = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    spaces_between_special_tokens: bool = True
+    stream_interval: Any = None
+    logit_bias: Any = None
+    custom_params: Any = None
+    beam_width: Any = None
+    watermark: Any = None
+    choice: Any = None
+
+
+class GenerateReqInput(msgspec.Struct, kw_only=True):
+    """`POST /generate`: one prompt (text or token ids), sampled `n` times. Unknown keys are ignored."""
+
+    rid: str | None = None
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams | None = None
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    stream: bool = False
+    sampling_logprobs_mode: Literal["selected"] | None = None
+    """Only SGLang's default is supported: the logprob of the sampled token (see `sampling`)."""
+    return_text_in_logprobs: bool = False
+    # SGLang's, not implemented here: refused unless neutral (see `unsupported_fields`)
+    top_logprobs_num: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
+    disagg_prefill_dp_rank: Any = None
+    image_data: Any = None
+    mm_hashes: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    kv_hints: Any = None
+    max_thinking_tokens: Any = None
+    custom_logit_processor: Any = None
+    images_config: Any = None
+    return_prompt_token_ids: Any = None
+    routed_experts_start_len: Any = None
+    return_sampling_mask: Any = None
+    modalities: Any = None
+
+
+# SGLang fields accepted for compatibility and without effect here: routing and bookkeeping hints.
+IGNORED_GENERATE_FIELDS = frozenset(
+    {"routed_dp_rank", "extra_key", "priority", "cache_salt", "require_reasoning", "routing_key", "session_id",
+     "custom_labels"}
+)
+_NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                     "min_new_tokens": 0, "spaces_between_special_tokens": True}
+UNSUPPORTED_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__[
+    SamplingParams.__struct_fields__.index("stop_regex"):])
+UNSUPPORTED_GENERATE_FIELDS = frozenset(GenerateReqInput.__struct_fields__[
+    GenerateReqInput.__struct_fields__.index("top_logprobs_num"):])
+
+
+def unsupported_fields(req: GenerateReqInput) -> list[str]:
+    """Paths of the SGLang features a request asks for that the embedded engine does not have."""
+    found = [name for name in UNSUPPORTED_GENERATE_FIELDS if getattr(req, name) not in (None, False, 0, [], {}, "")]
+    if req.sampling_params is not None:
+        for name in UNSUPPORTED_SAMPLING_FIELDS:
+            value = getattr(req.sampling_params, name)
+            if value != _NEUTRAL_SAMPLING.get(name) and value not in (None, [], {}):
+                found.append(f"sampling_params.{name}")
+    return sorted(found)
+
+
+class AbortReq(_Body):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseGenerationReqInput(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReqInput(_Body):
+    torch_empty_cache: bool = True
+
+
+class UpdateWeightFromDiskReqInput(_Body):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    keep_pause: bool = False
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightsFromTensorReqInput(_Body):
+    serialized_named_tensors: list[str]
+    """Base64 strings. SGLang's are pickled tensor handles (meaningful only to a colocated GPU
+    process); the embedded engine takes each as base64 of a safetensors file (`sync` writes them)."""
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightVersionReqInput(_Body):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class InitWeightsUpdateGroupReqInput(_Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedReqInput(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+def decode_body(data: bytes, type: type[Any]) -> Any:
+    """Parse a JSON body as `type`; a ValueError whose message names the field on failure."""
+    if not data.strip():
+        data = b"{}"
+    try:
+        return msgspec.json.decode(data, type=type)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid {type.__name__}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"malformed JSON body: {exc}") from None

@@ -1,0 +1,327 @@
+"""The embedded engine's HTTP server: SGLang's endpoints, field names and response shapes.
+
+Responses follow SGLang 0.5.23's `http_server.py` and tokenizer manager: `/generate` returns
+`{text, output_ids, meta_info}` (a list of them for n > 1), with `meta_info` holding `id`,
+`finish_reason`, `prompt_tokens`, `completion_tokens`, `cached_tokens`, `output_token_logprobs`
+(`[logprob, token_id, text]` triples), `weight_version` and `weight_versions`. Errors are a 400
+with `{"error": {"message": ...}}` naming the field; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import time
+import uuid
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from slime_async.engine import protocol as p
+from slime_async.engine.core import Engine, Sequence, version_spans
+from slime_async.engine.weights import decode_named_tensors, read_checkpoint
+
+ADMIN_PATHS = {
+    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version",
+    "/init_weights_update_group", "/update_weights_from_distributed", "/pause_generation",
+    "/continue_generation", "/flush_cache", "/abort_request",
+}
+
+
+def error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+class EngineServer:
+    """aiohttp application over an `Engine`; one per model."""
+
+    def __init__(self, engine: Engine, model_path: str, host: str = "127.0.0.1", admin_token: str | None = None):
+        if not _is_loopback(host) and not admin_token:
+            raise ValueError(f"binding to {host} (not loopback) requires an admin token for the weight endpoints")
+        self.engine = engine
+        self.model_path = model_path
+        self.host = host
+        self.admin_token = admin_token
+        self.app = web.Application(middlewares=[self._auth], client_max_size=2**31)
+        r = self.app.router
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/server_info", self.server_info)
+        r.add_route("*", "/generate", self.generate)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/init_weights_update_group", self.unsupported_distributed)
+        r.add_post("/update_weights_from_distributed", self.unsupported_distributed)
+        self.started = time.time()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.admin_token and request.path in ADMIN_PATHS:
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given, self.admin_token):
+                return error(401, f"{request.path} needs the admin token (Authorization: Bearer ...)")
+        return await handler(request)
+
+    # --- info ---------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        seqs = await self._run(p.GenerateReqInput(input_ids=[0], sampling_params=p.SamplingParams(
+            max_new_tokens=1, temperature=0.0)), "health")
+        return web.Response(status=200 if seqs else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        cfg = self.engine.model.config
+        return web.json_response({
+            "model_path": self.model_path,
+            "served_model_name": self.model_path,
+            # a local path, so that sglang-router loads the tokenizer without a hub
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.engine.weight_version,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
+        })
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return web.json_response({
+            "model_path": self.model_path,
+            "weight_version": e.weight_version,
+            "max_running_requests": e.max_batch_size,
+            "context_length": e.context_length,
+            "max_total_num_tokens": e.max_batch_size * e.context_length,
+            "engine": "slime_async embedded",
+            "internal_states": [{
+                "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting), "paused": e.paused,
+                "decode_steps": e.steps, "generated_tokens": e.generated_tokens,
+            }],
+        })
+
+    # --- generation ---------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            req = p.decode_body(await request.read(), p.GenerateReqInput)
+            prompt = self._validate(req)
+        except ValueError as exc:
+            return error(400, str(exc))
+        if req.stream:
+            return await self._stream(request, req, prompt)
+        seqs = await self._run(req, req.rid or uuid.uuid4().hex, prompt)
+        outs = [self._output(req, s) for s in seqs]
+        return web.json_response(outs[0] if len(outs) == 1 else outs)
+
+    def _validate(self, req: p.GenerateReqInput) -> list[int]:
+        unsupported = p.unsupported_fields(req)
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)}: not supported by the embedded engine (SGLang has it)")
+        if (req.text is None) == (req.input_ids is None):
+            raise ValueError("give exactly one of text and input_ids")
+        prompt = req.input_ids if req.input_ids is not None else self.engine.tokenizer.encode(
+            req.text, add_special_tokens=False)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids: token {bad[0]} is outside the vocabulary (0..{self.engine.vocab_size - 1})")
+        sp = req.sampling_params or p.SamplingParams()
+        limit = self.engine.context_length
+        if len(prompt) + sp.max_new_tokens > limit:
+            raise ValueError(
+                f"sampling_params.max_new_tokens: {len(prompt)} prompt tokens + {sp.max_new_tokens} new tokens "
+                f"exceed the context length {limit}"
+            )
+        return prompt
+
+    async def _run(self, req: p.GenerateReqInput, rid: str, prompt: list[int] | None = None,
+                   on_update: Any = None) -> list[Sequence]:
+        loop = asyncio.get_running_loop()
+        sp = req.sampling_params or p.SamplingParams()
+        prompt = prompt if prompt is not None else list(req.input_ids or [])
+        futures = []
+        seqs = []
+        for i in range(sp.n):
+            done: asyncio.Future = loop.create_future()
+            seq = Sequence(
+                rid=rid if sp.n == 1 else f"{rid}-{i}", prompt=prompt, params=sp,
+                on_finish=lambda s, f=done: loop.call_soon_threadsafe(_set, f, s),
+                on_update=on_update,
+            )
+            futures.append(done)
+            seqs.append(seq)
+            self.engine.submit(seq)
+        try:
+            return list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:  # the client went away: stop decoding for it
+            self.engine.call(lambda: self.engine.abort(rid=rid))
+            raise
+
+    def _output(self, req: p.GenerateReqInput, seq: Sequence) -> dict[str, Any]:
+        tok = self.engine.tokenizer
+        meta: dict[str, Any] = {
+            "id": seq.rid,
+            "finish_reason": seq.finish_reason,
+            "prompt_tokens": len(seq.prompt),
+            "completion_tokens": len(seq.output),
+            "cached_tokens": 0,
+            "e2e_latency": time.monotonic() - seq.created,
+        }
+        if req.return_logprob:
+            texts = [tok.decode([t]) for t in seq.output] if req.return_text_in_logprobs else None
+            meta["output_token_logprobs"] = [
+                [lp, t, texts[i] if texts else None] for i, (lp, t) in enumerate(zip(seq.logprobs, seq.output,
+                                                                                     strict=True))
+            ]
+        spans = version_spans(seq.versions) or [{"version": self.engine.weight_version, "start": 0, "end": 0}]
+        meta["weight_versions"] = spans
+        meta["weight_version"] = spans[-1]["version"]
+        skip = (req.sampling_params or p.SamplingParams()).skip_special_tokens
+        return {"text": tok.decode(seq.output, skip_special_tokens=skip), "output_ids": list(seq.output),
+                "meta_info": meta}
+
+    async def _stream(self, request: web.Request, req: p.GenerateReqInput, prompt: list[int]) -> web.StreamResponse:
+        """SSE: one `data: {...}` event per new token with the output so far, then `data: [DONE]`."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[Sequence] = asyncio.Queue()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        rid = req.rid or uuid.uuid4().hex
+        task = asyncio.ensure_future(
+            self._run(req, rid, prompt, on_update=lambda s: loop.call_soon_threadsafe(updates.put_nowait, s)))
+        try:
+            while not task.done():
+                getter = asyncio.ensure_future(updates.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    await response.write(b"data: " + json.dumps(self._output(req, getter.result())).encode() + b"\n\n")
+                else:
+                    getter.cancel()
+            for seq in task.result():
+                await response.write(b"data: " + json.dumps(self._output(req, seq)).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            task.cancel()
+            raise
+        return response
+
+    # --- control ------------------------------------------------------------------------
+
+    async def _body(self, request: web.Request, type: Any) -> Any:
+        return p.decode_body(await request.read(), type)
+
+    async def _engine_call(self, fn: Any) -> Any:
+        return await self.engine.call(fn, asyncio.get_running_loop())
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            req = await self._body(request, p.AbortReq)
+        except ValueError as exc:
+            return error(400, str(exc))
+        await self._engine_call(lambda: self.engine.abort(req.rid, req.abort_all))
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        # No prefix cache outlives a request yet, so there is nothing to flush.
+        return web.Response(text="Cache flushed.\n", status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        try:
+            req = await self._body(request, p.PauseGenerationReqInput)
+        except ValueError as exc:
+            return error(400, str(exc))
+        await self._engine_call(lambda: self.engine.pause(req.mode))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        try:
+            await self._body(request, p.ContinueGenerationReqInput)
+        except ValueError as exc:
+            return error(400, str(exc))
+        await self._engine_call(self.engine.resume)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            req = await self._body(request, p.UpdateWeightFromDiskReqInput)
+            tensors = await asyncio.to_thread(read_checkpoint, req.model_path)
+        except ValueError as exc:
+            return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
+        ok, message = await self._update(tensors, req.weight_version, req.abort_all_requests)
+        return web.json_response({"success": ok, "message": message, "num_paused_requests": 0},
+                                 status=200 if ok else 400)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        try:
+            req = await self._body(request, p.UpdateWeightsFromTensorReqInput)
+            tensors = await asyncio.to_thread(decode_named_tensors, req.serialized_named_tensors)
+        except ValueError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        ok, message = await self._update(tensors, req.weight_version, req.abort_all_requests)
+        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
+    async def _update(self, tensors: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> tuple[bool, str]:
+        def apply() -> int:
+            if abort_all:
+                self.engine.abort(abort_all=True)
+            return self.engine.load_weights(tensors, version)
+
+        try:
+            n = await self._engine_call(apply)
+        except ValueError as exc:
+            return False, f"weights not updated: {exc}"
+        return True, f"Succeeded to update {n} tensors; weight version {self.engine.weight_version}."
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            req = await self._body(request, p.UpdateWeightVersionReqInput)
+        except ValueError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+
+        def apply() -> None:
+            if req.abort_all_requests:
+                self.engine.abort(abort_all=True)
+            self.engine.set_version(req.new_version)
+
+        await self._engine_call(apply)
+        return web.json_response({"success": True, "message": f"Weight version updated to {req.new_version}",
+                                  "new_version": req.new_version})
+
+    async def unsupported_distributed(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"success": False, "message": f"{request.path} (NCCL weight broadcast) is not supported by the "
+             "embedded engine; use update_weights_from_tensor or update_weights_from_disk"}, status=501)
+
+
+def _set(future: asyncio.Future, seq: Sequence) -> None:
+    if not future.done():
+        future.set_result(seq)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,50 @@
+"""Weights as they travel to the engine: safetensors bytes in base64 (HTTP) or files on disk."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
+
+
+def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
+    """One `serialized_named_tensors` item: base64 of a safetensors file holding `tensors`."""
+    plain: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:  # tied weights share storage, which safetensors refuses
+            t = t.clone()
+        seen.add(t.data_ptr())
+        plain[name] = t
+    return base64.b64encode(save_safetensors(plain)).decode("ascii")
+
+
+def decode_named_tensors(serialized: list[str]) -> dict[str, torch.Tensor]:
+    """The inverse of `encode_named_tensors` over a list; a ValueError names the bad item."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, item in enumerate(serialized):
+        try:
+            tensors.update(load_safetensors(base64.b64decode(item, validate=True)))
+        except Exception as exc:
+            raise ValueError(f"serialized_named_tensors[{i}]: not base64 of a safetensors file ({exc})") from None
+    return tensors
+
+
+def read_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in a directory (or of one file)."""
+    path = Path(model_path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"model_path: no safetensors weights at {model_path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as exc:
+            raise ValueError(f"model_path: cannot read {f}: {exc}") from None
+    return tensors

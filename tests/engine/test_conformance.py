@@ -1,0 +1,184 @@
+"""Conformance with SGLang 0.5.23's own source: endpoints and field names, read from its wheel with `ast`.
+
+SGLang does not import here (its kernels need a GPU stack), but its request classes and routes
+parse. The wheel is fetched once per machine with `pip download --no-deps` (PyPI only).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from types import ModuleType
+
+import msgspec
+import pytest
+
+from slime_async.engine import protocol
+from slime_async.engine.server import EngineServer
+
+SGLANG_VERSION = "0.5.23"
+FILES = {
+    "http": "sglang/srt/entrypoints/http_server.py",
+    "io": "sglang/srt/managers/io_struct.py",
+    "sampling": "sglang/srt/sampling/sampling_params.py",
+    "versions": "sglang/srt/utils/weight_versions.py",
+    "api": "sglang/api/v1/api_types.py",
+}
+
+
+def sglang_wheel() -> Path:
+    cache = Path.home() / ".cache" / "slime_async" / f"sglang-{SGLANG_VERSION}"
+    wheels = sorted(cache.glob("sglang-*.whl"))
+    if not wheels:
+        cache.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={SGLANG_VERSION}", "-d", str(cache)],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert done.returncode == 0, f"could not download the sglang wheel: {done.stderr[-2000:]}"
+        wheels = sorted(cache.glob("sglang-*.whl"))
+    return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def sglang_source() -> dict[str, ast.Module]:
+    with zipfile.ZipFile(sglang_wheel()) as wheel:
+        return {key: ast.parse(wheel.read(path)) for key, path in FILES.items()}
+
+
+@pytest.fixture(scope="module")
+def sglang_api(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    """SGLang's generated JSON contract (`sglang.api.v1.api_types`): it needs only msgspec, so it imports."""
+    path = tmp_path_factory.mktemp("sglang") / "sglang_api_types.py"
+    with zipfile.ZipFile(sglang_wheel()) as wheel:
+        path.write_bytes(wheel.read(FILES["api"]))
+    spec = importlib.util.spec_from_file_location("sglang_api_types", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def class_fields(tree: ast.Module, name: str) -> set[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    raise AssertionError(f"SGLang has no class {name}")
+
+
+def routes(tree: ast.Module) -> set[str]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef):
+            for dec in node.decorator_list:
+                if isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.func.attr in (
+                    "get", "post", "api_route", "put"
+                ) and dec.args and isinstance(dec.args[0], ast.Constant):
+                    out.add(dec.args[0].value)
+    return out
+
+
+REQUEST_CLASSES = [
+    protocol.GenerateReqInput,
+    protocol.AbortReq,
+    protocol.PauseGenerationReqInput,
+    protocol.ContinueGenerationReqInput,
+    protocol.UpdateWeightFromDiskReqInput,
+    protocol.UpdateWeightsFromTensorReqInput,
+    protocol.UpdateWeightVersionReqInput,
+    protocol.InitWeightsUpdateGroupReqInput,
+    protocol.UpdateWeightsFromDistributedReqInput,
+]
+
+
+@pytest.mark.parametrize("cls", REQUEST_CLASSES, ids=lambda c: c.__name__)
+def test_every_request_field_exists_in_sglang(sglang_source: dict[str, ast.Module], cls: type) -> None:
+    ours = set(cls.__struct_fields__)
+    theirs = class_fields(sglang_source["io"], cls.__name__)
+    if cls is protocol.GenerateReqInput:  # the HTTP contract adds a few keys of its own
+        theirs |= class_fields(sglang_source["api"], "GenerateRequest")
+    if cls is protocol.AbortReq:
+        theirs.add("rid")  # inherited from SGLang's BaseReq
+    assert ours - theirs == set(), f"{cls.__name__}: fields SGLang does not have"
+
+
+def test_sampling_params_fields_exist_in_sglang(sglang_source: dict[str, ast.Module]) -> None:
+    ours = set(protocol.SamplingParams.__struct_fields__)
+    theirs = class_fields(sglang_source["sampling"], "SamplingParams") | class_fields(
+        sglang_source["api"], "SamplingParams"
+    )
+    assert ours - theirs == set()
+
+
+def test_every_endpoint_exists_in_sglang(sglang_source: dict[str, ast.Module], tiny_engine) -> None:
+    server = EngineServer(tiny_engine, "m")
+    ours = {r.resource.canonical for r in server.app.router.routes()}
+    theirs = routes(sglang_source["http"])
+    assert "/generate" in theirs and len(theirs) > 30  # the parse found SGLang's routes
+    assert ours - theirs == set()
+
+
+def test_model_info_keys_exist_in_sglang(sglang_source: dict[str, ast.Module], tiny_engine) -> None:
+    for node in ast.walk(sglang_source["http"]):
+        if isinstance(node, ast.AsyncFunctionDef) and node.name == "model_info":
+            result = next(n.value for n in ast.walk(node) if isinstance(n, ast.Assign)
+                          and isinstance(n.value, ast.Dict))
+            theirs = {k.value for k in result.keys if isinstance(k, ast.Constant)}
+            break
+    else:
+        raise AssertionError("no model_info in SGLang's http_server.py")
+    import asyncio
+
+    server = EngineServer(tiny_engine, "m")
+    response = asyncio.run(server.model_info(None))  # type: ignore[arg-type]
+    ours = set(msgspec.json.decode(response.body))
+    assert ours == theirs
+
+
+def test_weight_version_spans_have_sglangs_shape(sglang_source: dict[str, ast.Module]) -> None:
+    """SGLang reports spans as dicts with version, start, end (end exclusive)."""
+    assert class_fields(sglang_source["versions"], "WeightVersionSpan") == {"version", "start", "end"}
+    from slime_async.engine.core import version_spans
+
+    assert version_spans(["0", "0", "1", "1", "1"]) == [
+        {"version": "0", "start": 0, "end": 2}, {"version": "1", "start": 2, "end": 5}
+    ]
+
+
+def test_every_sglang_generate_field_is_handled(sglang_api: ModuleType) -> None:
+    """Each field of SGLang's /generate contract is implemented, refused when used, or a routing hint."""
+    theirs = set(sglang_api.GenerateRequest.__struct_fields__)
+    ours = set(protocol.GenerateReqInput.__struct_fields__) | protocol.IGNORED_GENERATE_FIELDS
+    assert theirs - ours == set()
+    assert set(sglang_api.SamplingParams.__struct_fields__) - set(protocol.SamplingParams.__struct_fields__) == set()
+
+
+async def test_requests_and_responses_decode_with_sglangs_contract(sglang_api: ModuleType, aiohttp_engine: str) -> None:
+    """Bodies as our tests and clients send them, and the engine's answers, through SGLang's own decoders."""
+    import aiohttp
+
+    requests = [
+        {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+         "return_logprob": True, "rid": "a"},
+        {"text": "What is 2 + 3?", "sampling_params": {"max_new_tokens": 3, "n": 2, "stop_token_ids": [5],
+                                                       "stop": ["\n"], "top_p": 0.9, "top_k": 20, "min_p": 0.1}},
+    ]
+    async with aiohttp.ClientSession() as session:
+        for body in requests:
+            sglang_api.GenerateRequest.from_json_value(body)
+            async with session.post(aiohttp_engine + "/generate", json=body) as resp:
+                out = await resp.json()
+            for item in out if isinstance(out, list) else [out]:
+                decoded = sglang_api.GenerateResponse.from_json_value(item)
+                assert decoded.output_ids == item["output_ids"]
+                meta = decoded.meta_info
+                assert meta.completion_tokens == len(item["output_ids"])
+                assert meta.weight_versions[0].end == len(item["output_ids"])
+        async with session.post(aiohttp_engine + "/generate", json={"input_ids": [10**9]}) as resp:
+            assert resp.status == 400
+            error = sglang_api.GenerateStreamError.from_json_value(await resp.json())
+            assert "outside the vocabulary" in error.error.message
