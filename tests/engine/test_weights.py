@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from pathlib import Path
+
+import aiohttp
 
 import pytest
 import torch
@@ -16,8 +19,6 @@ from slime_async.engine.weights import encode_named_tensors
 @pytest.fixture(scope="module")
 def other(reference: torch.nn.Module) -> torch.nn.Module:
     """A second set of weights (same shapes), as a trainer's next version would be."""
-    import copy
-
     return perturbed(copy.deepcopy(reference), seed=1)
 
 
@@ -53,10 +54,10 @@ async def test_tensor_update_changes_output_exactly_as_predicted(
     assert out["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": 16}]
     _, info = await post(engine_url, "/update_weight_version", {"new_version": "7", "abort_all_requests": False})
     assert info["new_version"] == "7"
-    async with __import__("aiohttp").ClientSession() as s, s.get(engine_url + "/get_model_info") as r:
+    async with aiohttp.ClientSession() as s, s.get(engine_url + "/get_model_info") as r:
         assert (await r.json())["weight_version"] == "7"
     await set_weights(engine_url, reference, "0")
-    status, out = await post(engine_url, "/generate", greedy_body(ids, n=16))
+    _, out = await post(engine_url, "/generate", greedy_body(ids, n=16))
     assert out["output_ids"] == before
 
 
