@@ -7,7 +7,6 @@ import copy
 from pathlib import Path
 
 import aiohttp
-
 import pytest
 import torch
 from conftest import perturbed
@@ -49,7 +48,7 @@ async def test_tensor_update_changes_output_exactly_as_predicted(
     assert before != after
     await set_weights(engine_url, other, "1")
     status, out = await post(engine_url, "/generate", greedy_body(ids, n=16))
-    assert out["output_ids"] == after
+    assert status == 200 and out["output_ids"] == after
     assert out["meta_info"]["weight_version"] == "1"
     assert out["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": 16}]
     _, info = await post(engine_url, "/update_weight_version", {"new_version": "7", "abort_all_requests": False})
