@@ -143,7 +143,7 @@ class Engine:
             seq = self.waiting.popleft()
             seq.slot = self._free_slot()
             tokens = seq.prompt + seq.output  # after a retract, re-prefill what was generated
-            logits = self.slots.prefill(seq.slot, tokens)[-1:]
+            logits = self.slots.prefill(seq.slot, tokens)
             seq.cached = len(tokens)
             self.running.append(seq)
             self._sample([seq], logits)

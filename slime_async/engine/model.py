@@ -52,10 +52,11 @@ class SlotModel:
         self._cap = new_cap
 
     @torch.inference_mode()
-    def prefill(self, slot: int, input_ids: list[int], start: int = 0) -> torch.Tensor:
+    def prefill(self, slot: int, input_ids: list[int], start: int = 0, all_logits: bool = False) -> torch.Tensor:
         """Run `input_ids` at positions start.. in `slot` (its cache before `start` is kept).
 
-        Returns the logits of every given position, shape [len(input_ids), vocab].
+        Returns the logits of the last position, shape [1, vocab], or of every position with
+        `all_logits` (the LM head over a long prompt costs as much as the layers for real vocabularies).
         """
         n = len(input_ids)
         self._ensure_capacity(start + n)
@@ -64,7 +65,7 @@ class SlotModel:
         # query i (position start+i) sees cache positions 0..start+i
         mask = torch.arange(start + n, device=self.device)[None, :] <= positions[:, None]
         slots = torch.tensor([slot], device=self.device)
-        return self._forward(ids, positions[None, :], slots, mask[None, None], start + n)[0]
+        return self._forward(ids, positions[None, :], slots, mask[None, None], start + n, all_logits)[0]
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -78,7 +79,8 @@ class SlotModel:
         return self._forward(ids, pos[:, None], slot_t, mask[:, None, None, :], total)[:, -1]
 
     def _forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, total: int
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, total: int,
+        all_logits: bool = False,
     ) -> torch.Tensor:
         inner = self.model.model
         x = inner.embed_tokens(ids)
@@ -112,4 +114,6 @@ class SlotModel:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if not all_logits:
+            x = x[:, -1:]
         return self.model.lm_head(inner.norm(x)).float()

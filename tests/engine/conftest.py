@@ -2,63 +2,15 @@
 
 from __future__ import annotations
 
-import re
 import shutil
-import subprocess
-import sys
-import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-
-@dataclass
-class ServerProcess:
-    """A `slime-async serve` child process and the URL it printed once bound."""
-
-    proc: subprocess.Popen
-    url: str
-    log: list[str] = field(default_factory=list)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_server(model_dir: Path, *args: str, timeout: float = 120.0) -> ServerProcess:
-    """Start `slime-async serve` on port 0 and wait (bounded) for its `serving on URL` line."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "slime_async.cli", "serve", "--model", str(model_dir), "--port", "0", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    log: list[str] = []
-    found = threading.Event()
-    url: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.append(line)
-            match = re.search(r"serving on (http://\S+)", line)
-            if match and not found.is_set():
-                url.append(match.group(1))
-                found.set()
-        found.set()  # the process ended: stop waiting
-
-    threading.Thread(target=read, daemon=True).start()
-    if not found.wait(timeout) or not url:
-        proc.kill()
-        raise RuntimeError("engine did not start:\n" + "".join(log[-30:]))
-    return ServerProcess(proc, url[0], log)
+from slime_async.engine.process import start_engine
 
 
 def perturbed(model: torch.nn.Module, seed: int, std: float = 0.15) -> torch.nn.Module:
@@ -91,7 +43,7 @@ def reference(varied_model_dir: Path) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def engine_url(varied_model_dir: Path) -> Iterator[str]:
-    server = start_server(varied_model_dir, "--max-batch-size", "6", "--context-length", "1024")
+    server = start_engine(varied_model_dir, "--max-batch-size", "6", "--context-length", "1024")
     yield server.url
     server.stop()
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-from conftest import start_server
 from test_generate import PROMPTS, greedy_body, hf_greedy
+
+from slime_async.engine.process import start_engine
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,7 @@ async def wait_until(predicate, timeout: float = 60.0) -> None:
 async def test_router_routes_to_both_engines_and_detects_a_dead_one(
     varied_model_dir: Path, reference: torch.nn.Module
 ) -> None:
-    a, b = start_server(varied_model_dir), start_server(varied_model_dir)
+    a, b = start_engine(varied_model_dir), start_engine(varied_model_dir)
     port = free_port()
     router = subprocess.Popen(
         [str(Path(sys.executable).with_name("sglang-router")), "launch", "--worker-urls", a.url, b.url,
