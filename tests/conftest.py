@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from helpers import perturbed
+from transformers import AutoModelForCausalLM
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +27,20 @@ def tiny_model_dir(cache_dir: Path) -> Path:
     from slime_async.train.tiny_model import cached_model_dir
 
     return cached_model_dir("tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def varied_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with weights whose greedy continuations vary from token to token."""
+    out = tmp_path_factory.mktemp("varied")
+    for f in tiny_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    perturbed(AutoModelForCausalLM.from_pretrained(tiny_model_dir), seed=0).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference(varied_model_dir: Path) -> torch.nn.Module:
+    """The same weights in this process, as HF's own model: what the engine must agree with."""
+    return AutoModelForCausalLM.from_pretrained(varied_model_dir).eval()

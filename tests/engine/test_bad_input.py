@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 import torch
-from test_generate import PROMPTS, greedy_body, hf_greedy, post, wait_for_tokens
+from helpers import PROMPTS, greedy_body, hf_greedy, post, wait_for_tokens
 
 from slime_async.engine.server import EngineServer
 

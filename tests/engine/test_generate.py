@@ -4,32 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 import aiohttp
-import pytest
 import torch
-
-PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9], [40, 41], [100, 7, 300, 2, 11, 12, 13], [9] * 30]
-
-
-async def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session, session.post(url + path, json=body) as resp:
-        text = await resp.text()
-        try:
-            return resp.status, json.loads(text)
-        except json.JSONDecodeError:
-            return resp.status, text
-
-
-def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
-def greedy_body(ids: list[int], n: int = 24, **extra: Any) -> dict[str, Any]:
-    params = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
-    return {"input_ids": ids, "sampling_params": params, "return_logprob": True, **extra}
+from helpers import PROMPTS, greedy_body, hf_greedy, post, wait_for_tokens
 
 
 async def test_greedy_equals_hf_generate(engine_url: str, reference: torch.nn.Module) -> None:
@@ -113,15 +91,3 @@ async def test_abort_by_rid_returns_partial_output(engine_url: str) -> None:
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert 0 < out["meta_info"]["completion_tokens"] < 900
     assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
-
-
-async def wait_for_tokens(url: str, running: int = 1, timeout: float = 30) -> None:
-    """Wait (bounded) until the engine reports that many running requests with tokens out."""
-    async with aiohttp.ClientSession() as session:
-        for _ in range(int(timeout / 0.02)):
-            async with session.get(url + "/get_server_info") as resp:
-                state = (await resp.json())["internal_states"][0]
-            if state["num_running_reqs"] >= running:
-                return
-            await asyncio.sleep(0.02)
-    pytest.fail("the engine never started decoding")

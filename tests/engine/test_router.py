@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-from test_generate import PROMPTS, greedy_body, hf_greedy
+from helpers import PROMPTS, greedy_body, hf_greedy
 
 from slime_async.engine.process import start_engine
 

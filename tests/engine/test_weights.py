@@ -9,8 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-from conftest import perturbed
-from test_generate import PROMPTS, greedy_body, hf_greedy, post, wait_for_tokens
+from helpers import PROMPTS, greedy_body, hf_greedy, perturbed, post, wait_for_tokens
 
 from slime_async.engine.weights import encode_named_tensors
 

@@ -1,0 +1,308 @@
+"""The SGLang client: token-in/token-out `/generate` over aiohttp against one or many servers.
+
+One aiohttp session for all episodes of a worker. Each episode sticks to one server (its prefix
+stays in that server's cache) until that server fails; new episodes go to the healthy server with
+the fewest outstanding requests. Connection errors, 5xx answers, malformed answers and timeouts
+are retried with exponential backoff, failing the episode over to another server by resending its
+tokens; a request that the caller cancels, or that times out, is aborted on the server so that it
+does not keep decoding. A request the server aborts by itself (a weight update in abort mode) is
+resumed by resending prompt + partial output, so the episode keeps every token with its version.
+Behind `sglang-router`, give the router's URL as the only server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from slime_async.types.arrays import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE
+
+log = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """Every server failed the request within the retry budget; the message says how."""
+
+
+class BadResponse(ValueError):
+    """A server answered, but not with a usable /generate response (counted, then retried elsewhere)."""
+
+
+@dataclass
+class Generation:
+    """What one model call produced: tokens, behaviour logprobs and the version of each token."""
+
+    output_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+    """SGLang's finish type: stop, length or abort."""
+    server: str
+    resumed: int = 0
+    """How many times the request was resumed after the server aborted it (weight updates)."""
+
+
+@dataclass
+class Server:
+    url: str
+    outstanding: int = 0
+    healthy: bool = True
+    failures: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ClientStats:
+    requests: int = 0
+    retries: int = 0
+    failovers: int = 0
+    resumes: int = 0
+    aborts_sent: int = 0
+    errors: Counter = field(default_factory=Counter)
+
+
+class SGLangClient:
+    """Use as `async with SGLangClient(urls) as client: gen = await client.generate(ids, params, episode=...)`."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        max_connections: int = 1024,
+        request_timeout: float = 600.0,
+        retries: int = 4,
+        backoff: float = 0.2,
+        max_backoff: float = 5.0,
+        unhealthy_after: int = 2,
+        health_interval: float = 2.0,
+        max_resumes: int = 16,
+    ) -> None:
+        if not urls:
+            raise ValueError("engine urls: at least one server URL is needed")
+        self.servers = {u.rstrip("/"): Server(u.rstrip("/")) for u in urls}
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.unhealthy_after = unhealthy_after
+        self.health_interval = health_interval
+        self.max_resumes = max_resumes
+        self.latest_version = -1
+        """Highest weight version any server reported (the weight-sync protocol's stamp)."""
+        self.stats = ClientStats()
+        self._sticky: dict[str, str] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+        self._version_listeners: list[Any] = []
+
+    async def __aenter__(self) -> SGLangClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
+        self._session = aiohttp.ClientSession(connector=connector)
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._session is not None:
+            await self._session.close()
+
+    def on_version(self, callback: Any) -> None:
+        """Call `callback(version)` (sync or async) whenever a server reports a newer weight version."""
+        self._version_listeners.append(callback)
+
+    def release(self, episode: str) -> None:
+        """Forget an episode's server (call when the episode ends)."""
+        self._sticky.pop(episode, None)
+
+    # --- generation ---------------------------------------------------------------------
+
+    async def generate(
+        self, input_ids: list[int] | np.ndarray, sampling_params: dict[str, Any], *, episode: str | None = None
+    ) -> Generation:
+        """One model call. Raises ServerError when every retry on every server failed."""
+        prompt = [int(t) for t in input_ids]
+        budget = int(sampling_params.get("max_new_tokens", 128))
+        out_ids: list[int] = []
+        out_lps: list[float] = []
+        out_versions: list[int] = []
+        resumed = 0
+        while True:
+            params = {**sampling_params, "max_new_tokens": budget - len(out_ids)}
+            answer, server = await self._generate_once(prompt + out_ids, params, episode)
+            ids, lps, versions, finish = answer
+            out_ids += ids
+            out_lps += lps
+            out_versions += versions
+            # The server aborted it by itself (a weight update in abort mode): resume with the partial
+            # output under the new weights, unless nothing is left to generate.
+            if finish == "abort" and len(out_ids) < budget and resumed < self.max_resumes:
+                resumed += 1
+                self.stats.resumes += 1
+                continue
+            return Generation(
+                np.asarray(out_ids, TOKEN_DTYPE), np.asarray(out_lps, LOGPROB_DTYPE),
+                np.asarray(out_versions, VERSION_DTYPE), finish, server, resumed,
+            )
+
+    async def _generate_once(
+        self, input_ids: list[int], sampling_params: dict[str, Any], episode: str | None
+    ) -> tuple[tuple[list[int], list[float], list[int], str], str]:
+        assert self._session is not None, "call start() (or use `async with`) first"
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
+        delay = self.backoff
+        last_error = "no healthy server"
+        tried: set[str] = set()
+        for attempt in range(self.retries + 1):
+            server = self._pick(episode, avoid=tried)
+            if server is None:
+                await asyncio.sleep(delay)  # every server is down: wait for the health checks
+                delay = min(delay * 2, self.max_backoff)
+                tried.clear()
+                continue
+            rid = uuid.uuid4().hex
+            server.outstanding += 1
+            start = time.monotonic()
+            try:
+                self.stats.requests += 1
+                async with self._session.post(
+                    server.url + "/generate", json={**body, "rid": rid},
+                    timeout=aiohttp.ClientTimeout(total=self.request_timeout),
+                ) as resp:
+                    if resp.status >= 500:
+                        raise BadResponse(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                    if resp.status >= 400:  # our request is wrong: retrying elsewhere will not help
+                        raise ValueError(f"{server.url}/generate refused the request: {(await resp.text())[:500]}")
+                    data = await resp.json(content_type=None)
+                answer = self._parse(data)
+                server.failures = 0
+                server.latencies.append(time.monotonic() - start)
+                if len(server.latencies) > 1000:
+                    del server.latencies[:500]
+                return answer, server.url
+            except asyncio.CancelledError:
+                self._abort_soon(server, rid)
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, BadResponse, ConnectionError) as exc:
+                if isinstance(exc, asyncio.TimeoutError):
+                    self._abort_soon(server, rid)  # it may still be decoding: stop it
+                last_error = f"{server.url}: {type(exc).__name__}: {exc}"
+                self.stats.errors[type(exc).__name__] += 1
+                self._failed(server)
+                tried.add(server.url)
+                if episode is not None and self._sticky.get(episode) == server.url:
+                    del self._sticky[episode]  # fail the episode over, resending its tokens
+                    self.stats.failovers += 1
+                if attempt < self.retries:
+                    self.stats.retries += 1
+                    log.warning("generate failed (%s), retrying in %.2fs", last_error, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.max_backoff)
+            finally:
+                server.outstanding -= 1
+        raise ServerError(f"/generate failed after {self.retries + 1} attempts; last: {last_error}")
+
+    def _parse(self, data: Any) -> tuple[list[int], list[float], list[int], str]:
+        try:
+            ids = list(data["output_ids"])
+            meta = data["meta_info"]
+            lps = [float(t[0]) for t in meta["output_token_logprobs"]]
+            finish = (meta.get("finish_reason") or {}).get("type", "")
+            spans = meta.get("weight_versions") or [
+                {"version": meta["weight_version"], "start": 0, "end": len(ids)}]
+            versions = [0] * len(ids)
+            for span in spans:
+                v = int(span["version"])
+                versions[span["start"]:span["end"]] = [v] * (span["end"] - span["start"])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise BadResponse(f"malformed /generate response ({type(exc).__name__}: {exc})") from None
+        if len(lps) != len(ids) or len(versions) != len(ids):
+            raise BadResponse(f"{len(ids)} output tokens but {len(lps)} logprobs and {len(versions)} versions")
+        if ids:
+            self._saw_version(max(versions))
+        return ids, lps, versions, finish
+
+    def _saw_version(self, version: int) -> None:
+        if version > self.latest_version:
+            self.latest_version = version
+            for callback in self._version_listeners:
+                result = callback(version)
+                if asyncio.iscoroutine(result):
+                    asyncio.ensure_future(result)
+
+    # --- routing and health -------------------------------------------------------------
+
+    def _pick(self, episode: str | None, avoid: set[str]) -> Server | None:
+        if episode is not None:
+            url = self._sticky.get(episode)
+            if url is not None and self.servers[url].healthy and url not in avoid:
+                return self.servers[url]
+        candidates = [s for s in self.servers.values() if s.healthy and s.url not in avoid]
+        if not candidates:
+            return None
+        server = min(candidates, key=lambda s: s.outstanding)
+        if episode is not None:
+            self._sticky[episode] = server.url
+        return server
+
+    def _failed(self, server: Server) -> None:
+        server.failures += 1
+        if server.failures >= self.unhealthy_after and server.healthy:
+            server.healthy = False
+            log.warning("server %s marked unhealthy after %d failures", server.url, server.failures)
+
+    def _abort_soon(self, server: Server, rid: str) -> None:
+        """Best effort, in the background: a cancelled or timed-out request must stop decoding."""
+        session = self._session
+
+        async def abort() -> None:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+                assert session is not None
+                async with session.post(server.url + "/abort_request", json={"rid": rid},
+                                        timeout=aiohttp.ClientTimeout(total=5)):
+                    self.stats.aborts_sent += 1
+
+        if session is not None and not session.closed:
+            asyncio.ensure_future(abort())
+
+    async def _health_loop(self) -> None:
+        assert self._session is not None
+        while True:
+            await asyncio.sleep(self.health_interval)
+            for server in self.servers.values():
+                if server.healthy:
+                    continue
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+                    async with self._session.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        if r.status == 200:
+                            server.healthy, server.failures = True, 0
+                            log.info("server %s is healthy again", server.url)
+
+    async def check_health(self) -> dict[str, bool]:
+        """Probe every server now; returns url -> healthy."""
+        assert self._session is not None
+        for server in self.servers.values():
+            try:
+                async with self._session.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    server.healthy = r.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+                server.healthy = False
+        return {u: s.healthy for u, s in self.servers.items()}
