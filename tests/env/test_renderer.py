@@ -41,7 +41,9 @@ def _completion(tokenizer: Any, text: str, stop: bool) -> list[int]:
     steps=st.lists(st.tuples(ASSISTANT, ENV_TURN, st.booleans()), min_size=1, max_size=4),
     with_tools=st.booleans(),
 )
-def test_tokens_only_grow_and_match_the_template(tokenizer: Any, system: str | None, first: str, steps: list, with_tools: bool) -> None:
+def test_tokens_only_grow_and_match_the_template(
+    tokenizer: Any, system: str | None, first: str, steps: list, with_tools: bool
+) -> None:
     tools = [{"type": "function", "function": {"name": "calculate", "description": "math", "parameters": {}}}]
     renderer = Renderer(tokenizer, tools=tools if with_tools else None)
     messages = ([Message(role="system", content=system)] if system else []) + [Message(role="user", content=first)]

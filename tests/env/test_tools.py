@@ -57,7 +57,13 @@ def test_schema_from_signature_and_docstring() -> None:
     props = params["properties"]
     assert set(props) == {"city", "days", "unit", "detail", "tags"}  # `task` is injected: hidden
     assert props["city"] == {"type": "string", "description": "the city's name"}
-    assert props["days"] == {"type": "integer", "minimum": 1, "maximum": 7, "default": 1, "description": "how many days ahead"}
+    assert props["days"] == {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 7,
+        "default": 1,
+        "description": "how many days ahead",
+    }
     assert sorted(props["detail"]["enum"]) == ["high", "low"]
     assert props["detail"]["description"] == "how much to say"
     assert props["tags"]["anyOf"] == [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]
