@@ -39,9 +39,10 @@ class Env:
     """The arguments' type; `env.args` from the config are validated against it."""
     system_prompt: ClassVar[str | None] = None
     """Prepended as a system message by the default `prompt`."""
-    show_tools: ClassVar[bool] = True
+    show_tools: bool = True
     """Pass the tools' schemas to the chat template (it lists them in the system prompt). A tiny
-    model that learns its one tool from demonstrations can do without the tokens."""
+    model that learns its one tool from demonstrations can do without the tokens. An instance may
+    override it (from its args)."""
 
     tools: ClassVar[dict[str, ToolSpec]] = {}
     rewards: ClassVar[dict[str, RewardSpec]] = {}
