@@ -25,6 +25,7 @@ from slime_async.env.policy import Generation, Policy, Sampling
 from slime_async.env.renderer import Renderer
 from slime_async.env.rewards import RewardSpec
 from slime_async.env.tools import ToolArgumentError, ToolError
+from slime_async.env.verify import VerifierPool
 from slime_async.types import Message, StopReason, Task, ToolCall, Trajectory, Turn
 
 # Counters every trajectory carries in `metrics` (0 when nothing happened), so that sums over a
@@ -56,6 +57,7 @@ async def run_episode(
     group_id: str = "",
     sample_index: int = 0,
     env_name: str = "",
+    verifiers: VerifierPool | None = None,
 ) -> Trajectory:
     """Run one episode of `env` (a fresh instance) on `task` with `policy`.
 
@@ -63,11 +65,12 @@ async def run_episode(
     `limits` defaults to `env.limits`; `sampling` to `Sampling()` (its `max_new_tokens` is clamped
     to the episode's token budget). `stop`, when set, ends the episode with StopReason.ABORTED at
     the next await (a running model call is cancelled). The trajectory's `group_id` defaults to
-    the task id.
+    the task id. `verifiers` is the process pool that `Env.verify` uses (one per worker).
     """
     if getattr(env, "_used", False):
         raise RuntimeError(f"{type(env).__name__} instance reused: make one instance per episode")
     env._used = True  # type: ignore[attr-defined]
+    env.verifiers = verifiers
     episode = _Episode(env, task, policy, tokenizer, limits or env.limits, sampling or Sampling(), parser, stop)
     try:
         await episode.run()

@@ -14,10 +14,13 @@ from slime_async.env import (
     EnvArgs,
     EnvFactory,
     EnvLoadError,
+    ScriptedPolicy,
     VerifierPool,
     apply_group_rewards,
     group_reward,
     load_env_class,
+    reward,
+    run_episode,
 )
 from slime_async.types import StopReason, Task, Trajectory
 
@@ -122,3 +125,30 @@ def test_limits_are_values() -> None:
     assert lim.max_turns == 2 and lim.parse_errors.penalty == -1.0
     with pytest.raises(AttributeError):
         lim.max_turns = 3  # type: ignore[misc]
+
+
+class VerifiedEnv(Env):
+    @reward
+    async def heavy(self, answer: Any) -> float:
+        return float(await self.verify(square, answer) == 49)
+
+    @reward(on_error=-1.0)
+    async def stuck(self) -> float:
+        return await self.verify(spin, timeout_s=0.2)
+
+    @reward(on_error=-2.0)
+    async def raises(self) -> float:
+        return await self.verify(crash)
+
+
+@pytest.mark.slow
+async def test_process_verifiers_in_an_episode_are_counted_not_fatal(tiny_model_dir: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    task = Task(id="v", prompt="7?", answer=7)
+    with VerifierPool(workers=1) as pool:
+        traj = await run_episode(VerifiedEnv(), task, ScriptedPolicy(["49"], tokenizer), tokenizer, verifiers=pool)
+    assert traj.stop_reason is StopReason.DONE
+    assert traj.rewards == {"heavy": 1.0, "stuck": -1.0, "raises": -2.0}
+    assert traj.metrics["reward_errors"] == 2
