@@ -107,6 +107,8 @@ class _Episode:
         self.reward = 0.0
         self.env_metrics: dict[str, float] = {}
         self.renderer: Renderer | None = None
+        self.pending: list[int] = []  # environment tokens to record with the next model call
+        self.branch = False  # whether `pending` starts a new branch (the whole context)
         self.t0 = time.monotonic()
 
     @property
@@ -146,6 +148,7 @@ class _Episode:
             tools = self.env.tool_schemas() if self.env.show_tools else None
             self.renderer = Renderer(self.tokenizer, tools=tools, parser=self.parser)
             self.pending = self.renderer.start(messages)
+            self.branch = False
         except (asyncio.CancelledError, TimeoutError):
             raise
         except Exception as exc:
@@ -167,7 +170,7 @@ class _Episode:
                 completion = [int(i) for i in gen.completion_ids]
                 turn = Turn(
                     prompt_ids=self.pending, completion_ids=completion, logprobs=gen.logprobs,
-                    versions=gen.versions, finish_reason=gen.finish_reason,
+                    versions=gen.versions, finish_reason=gen.finish_reason, new_branch=self.branch,
                 )  # fmt: skip
                 self.turns.append(turn)
                 self.counts["turns"] += 1
@@ -210,7 +213,7 @@ class _Episode:
                     break
                 delta = renderer.extend(new_messages)
                 self.counts["new_branches"] += delta.new_branch
-                self.pending = delta.ids
+                self.pending, self.branch = delta.ids, delta.new_branch
                 self.counts["total_tokens"] = len(renderer.ids)
         raise _Stop(StopReason.MAX_TURNS)
 

@@ -412,3 +412,22 @@ async def test_trajectory_round_trips_the_wire(tokenizer: Any) -> None:
     back = from_msgpack(to_msgpack(traj), Trajectory)
     assert back.stop_reason is traj.stop_reason and back.rewards == traj.rewards
     assert [list(t.completion_ids) for t in back.turns] == [list(t.completion_ids) for t in traj.turns]
+
+
+async def test_template_that_rewrites_history_gives_a_marked_branch(tokenizer: Any) -> None:
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    original = "{{ message.content if message.content is string else '' }}"
+    tok.chat_template = tok.chat_template.replace(
+        original, "{{ message.content if loop.last else message.content.split('</think>')[-1] }}"
+    )
+    policy = ScriptedPolicy(["<think>hmm</think>" + call("add", a=2, b=3), "5"], tok)
+    traj = await run_episode(ToyEnv(), TASK, policy, tok)
+    assert traj.stop_reason is StopReason.DONE and traj.reward == 2.0
+    first, second = traj.turns
+    assert not first.new_branch and second.new_branch and traj.metrics["new_branches"] == 1
+    assert list(second.prompt_ids) == policy.seen[1]  # the whole re-rendered context
+    assert "hmm" not in tok.decode(second.prompt_ids)
+    with pytest.raises(ValueError, match="new branch"):
+        traj.flat()
