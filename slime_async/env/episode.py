@@ -123,16 +123,15 @@ class _Episode:
     async def run(self) -> None:
         try:
             async with asyncio.timeout(self.limits.episode_timeout_s) as deadline:
-                try:
-                    await self._setup()
-                    await self._loop()
-                except TimeoutError:
-                    if deadline.expired():
-                        raise
-                    raise _Stop(StopReason.TURN_TIMEOUT) from None
+                await self._setup()
+                await self._loop()
         except _Stop as stop:
             self.reason, self.error = stop.reason, stop.error
         except TimeoutError:
+            # Only the deadline's own expiry gets here: every other TimeoutError (a tool's, the
+            # env's) is caught where it happens and becomes a message or an ENV_ERROR.
+            if not deadline.expired():
+                raise
             self.reason = StopReason.EPISODE_TIMEOUT
         self.timings["episode"] = time.monotonic() - self.t0
         if self.reason not in (StopReason.ENV_ERROR, StopReason.SERVER_ERROR, StopReason.ABORTED):
@@ -149,73 +148,87 @@ class _Episode:
             self.renderer = Renderer(self.tokenizer, tools=tools, parser=self.parser)
             self.pending = self.renderer.start(messages)
             self.branch = False
-        except (asyncio.CancelledError, TimeoutError):
-            raise
-        except Exception as exc:
+        except Exception as exc:  # not CancelledError: a deadline or the caller is not the env's fault
             raise _Stop(StopReason.ENV_ERROR, f"setup failed: {type(exc).__name__}: {exc}") from exc
 
     async def _loop(self) -> None:
+        renderer = self.renderer
+        assert renderer is not None
+        self.consecutive_parse_errors = 0
+        for turn_index in range(self.limits.max_turns):
+            if self.limits.max_total_tokens - len(renderer.ids) <= 0:
+                raise _Stop(StopReason.MAX_TOKENS)
+            try:
+                async with asyncio.timeout(self.limits.turn_timeout_s) as turn_deadline:
+                    new_messages = await self._turn()
+                    if turn_index + 1 == self.limits.max_turns:
+                        break
+                    try:
+                        delta = renderer.extend(new_messages)
+                    except Exception as exc:  # the chat template refused the env's messages
+                        raise _Stop(StopReason.ENV_ERROR, f"rendering failed: {type(exc).__name__}: {exc}") from exc
+            except TimeoutError:
+                if not turn_deadline.expired():
+                    raise
+                raise _Stop(StopReason.TURN_TIMEOUT) from None
+            self.counts["new_branches"] += delta.new_branch
+            self.pending, self.branch = delta.ids, delta.new_branch
+            self.counts["total_tokens"] = len(renderer.ids)
+        raise _Stop(StopReason.MAX_TURNS)
+
+    async def _turn(self) -> list[Message]:
+        """One model call and what answers it; raises _Stop when the episode ends here."""
         renderer, limits = self.renderer, self.limits
         assert renderer is not None
-        consecutive_parse_errors = 0
-        for turn_index in range(limits.max_turns):
-            left = limits.max_total_tokens - len(renderer.ids)
-            if left <= 0:
-                raise _Stop(StopReason.MAX_TOKENS)
-            sampling = self.sampling
-            if left < sampling.max_new_tokens:
-                sampling = msgspec.structs.replace(sampling, max_new_tokens=left)
-            async with asyncio.timeout(limits.turn_timeout_s):
-                gen = await self._generate(sampling)
-                completion = [int(i) for i in gen.completion_ids]
-                turn = Turn(
-                    prompt_ids=self.pending, completion_ids=completion, logprobs=gen.logprobs,
-                    versions=gen.versions, finish_reason=gen.finish_reason, new_branch=self.branch,
-                )  # fmt: skip
-                self.turns.append(turn)
-                self.counts["turns"] += 1
-                self.counts["completion_tokens"] += len(completion)
-                if gen.finish_reason == "abort":
-                    raise _Stop(StopReason.ABORTED, "the server aborted the request")
-                parsed = renderer.parse(completion)
-                message = Message(role="assistant", content=parsed.content, tool_calls=parsed.tool_calls)
-                renderer.add_completion(completion, message)
-                self.counts["total_tokens"] = len(renderer.ids)
-                if gen.finish_reason == "length":
-                    budget_hit = sampling.max_new_tokens < self.sampling.max_new_tokens
-                    raise _Stop(StopReason.MAX_TOKENS if budget_hit else StopReason.TRUNCATED)
-                new_messages: list[Message] = []
-                if parsed.errors:
-                    consecutive_parse_errors += 1
-                    self.counts["parse_errors"] += 1
-                    policy = limits.parse_errors
-                    if policy.mask_bad_turn:
-                        turn.loss_mask[:] = 0
-                    if not policy.feedback or consecutive_parse_errors >= policy.max_consecutive:
-                        raise _Stop(StopReason.PARSE_ERROR, "; ".join(parsed.errors))
-                    new_messages += [
-                        Message(role="tool", content=f"error: {e}", name="parse_error") for e in parsed.errors
-                    ]
-                else:
-                    consecutive_parse_errors = 0
-                if parsed.tool_calls:
-                    if self.counts["tool_calls"] + len(parsed.tool_calls) > limits.max_tool_calls:
-                        raise _Stop(StopReason.MAX_TOOL_CALLS)
-                    new_messages += await self._run_tools(parsed.tool_calls)
-                elif not parsed.errors:
-                    reply = await self._on_reply(message)
-                    if not reply:
-                        raise _Stop(StopReason.DONE)
-                    new_messages += reply
-                if self.env.done:
-                    raise _Stop(StopReason.DONE)
-                if turn_index + 1 == limits.max_turns:
-                    break
-                delta = renderer.extend(new_messages)
-                self.counts["new_branches"] += delta.new_branch
-                self.pending, self.branch = delta.ids, delta.new_branch
-                self.counts["total_tokens"] = len(renderer.ids)
-        raise _Stop(StopReason.MAX_TURNS)
+        sampling = self.sampling
+        left = limits.max_total_tokens - len(renderer.ids)
+        if left < sampling.max_new_tokens:
+            sampling = msgspec.structs.replace(sampling, max_new_tokens=left)
+        gen = await self._generate(sampling)
+        completion = [int(i) for i in gen.completion_ids]
+        turn = Turn(
+            prompt_ids=self.pending, completion_ids=completion, logprobs=gen.logprobs,
+            versions=gen.versions, finish_reason=gen.finish_reason, new_branch=self.branch,
+        )  # fmt: skip
+        self.turns.append(turn)
+        self.counts["turns"] += 1
+        self.counts["completion_tokens"] += len(completion)
+        if gen.finish_reason == "abort":
+            raise _Stop(StopReason.ABORTED, "the server aborted the request")
+        try:
+            parsed = renderer.parse(completion)
+        except Exception as exc:  # ids the tokenizer cannot decode: the server's fault
+            raise _Stop(StopReason.SERVER_ERROR, f"undecodable output: {type(exc).__name__}: {exc}") from exc
+        message = Message(role="assistant", content=parsed.content, tool_calls=parsed.tool_calls)
+        renderer.add_completion(completion, message)
+        self.counts["total_tokens"] = len(renderer.ids)
+        if gen.finish_reason == "length":
+            budget_hit = sampling.max_new_tokens < self.sampling.max_new_tokens
+            raise _Stop(StopReason.MAX_TOKENS if budget_hit else StopReason.TRUNCATED)
+        new_messages: list[Message] = []
+        if parsed.errors:
+            self.consecutive_parse_errors += 1
+            self.counts["parse_errors"] += 1
+            policy = limits.parse_errors
+            if policy.mask_bad_turn:
+                turn.loss_mask[:] = 0
+            if not policy.feedback or self.consecutive_parse_errors >= policy.max_consecutive:
+                raise _Stop(StopReason.PARSE_ERROR, "; ".join(parsed.errors))
+            new_messages += [Message(role="tool", content=f"error: {e}", name="parse_error") for e in parsed.errors]
+        else:
+            self.consecutive_parse_errors = 0
+        if parsed.tool_calls:
+            if self.counts["tool_calls"] + len(parsed.tool_calls) > limits.max_tool_calls:
+                raise _Stop(StopReason.MAX_TOOL_CALLS)
+            new_messages += await self._run_tools(parsed.tool_calls)
+        elif not parsed.errors:
+            reply = await self._on_reply(message)
+            if not reply:
+                raise _Stop(StopReason.DONE)
+            new_messages += reply
+        if self.env.done:
+            raise _Stop(StopReason.DONE)
+        return new_messages
 
     async def _generate(self, sampling: Sampling) -> Generation:
         assert self.renderer is not None
@@ -239,13 +252,18 @@ class _Episode:
         exc = call.exception()
         if exc is not None:
             raise _Stop(StopReason.SERVER_ERROR, f"{type(exc).__name__}: {exc}")
-        return call.result()
+        gen = call.result()
+        n = len(gen.completion_ids)
+        if len(gen.logprobs) != n or len(gen.versions) != n:
+            raise _Stop(
+                StopReason.SERVER_ERROR,
+                f"malformed generation: {n} tokens, {len(gen.logprobs)} logprobs, {len(gen.versions)} versions",
+            )
+        return gen
 
     async def _on_reply(self, message: Message) -> list[Message] | None:
         try:
             return await self.env.on_reply(message)
-        except (asyncio.CancelledError, TimeoutError):
-            raise
         except Exception as exc:
             raise _Stop(StopReason.ENV_ERROR, f"on_reply failed: {type(exc).__name__}: {exc}") from exc
 
@@ -330,7 +348,7 @@ class _Episode:
         try:
             value = await asyncio.wait_for(spec.call(self.env, available), self.limits.reward_timeout_s)
             return float(value)
-        except (TypeError, ValueError, TimeoutError, Exception) as exc:
+        except Exception as exc:  # raised or timed out; CancelledError still propagates
             self.counts["reward_errors"] += 1
             self.counts[f"reward_errors/{spec.name}"] += 1
             if not self.error:

@@ -431,3 +431,40 @@ async def test_template_that_rewrites_history_gives_a_marked_branch(tokenizer: A
     assert "hmm" not in tok.decode(second.prompt_ids)
     with pytest.raises(ValueError, match="new branch"):
         traj.flat()
+
+
+class TimeoutInSetup(ToyEnv):
+    async def setup(self, task: Task) -> None:
+        raise TimeoutError("database timed out")
+
+
+class TimeoutInReply(ToyEnv):
+    async def on_reply(self, message: Message) -> list[Message] | None:
+        raise TimeoutError("user model timed out")
+
+
+async def test_env_timeouts_are_env_errors_not_limits(tokenizer: Any) -> None:
+    traj, _, _ = await play(tokenizer, ["5"], env=TimeoutInSetup(), limits=limits(turn_timeout_s=100))
+    assert traj.stop_reason is StopReason.ENV_ERROR and "database timed out" in traj.error
+    traj, _, _ = await play(tokenizer, ["5"], env=TimeoutInReply(), limits=limits(turn_timeout_s=100))
+    assert traj.stop_reason is StopReason.ENV_ERROR and "user model timed out" in traj.error
+
+
+async def test_malformed_generation_is_a_server_error(tokenizer: Any) -> None:
+    class Broken:
+        async def generate(self, input_ids: np.ndarray, sampling: Sampling) -> Generation:
+            return Generation(completion_ids=[5, 6], logprobs=[-1.0], versions=[0, 0], finish_reason="stop")
+
+    traj = await run_episode(ToyEnv(), TASK, Broken(), tokenizer)
+    assert traj.stop_reason is StopReason.SERVER_ERROR and "2 tokens, 1 logprobs" in traj.error
+
+
+async def test_template_refusing_the_conversation_is_an_env_error(tokenizer: Any) -> None:
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{%- if messages|length > 2 %}{{ raise_exception('too long') }}{% endif %}" + tok.chat_template
+    env = ToyEnv()
+    traj = await run_episode(env, TASK, ScriptedPolicy([call("add", a=2, b=3), "5"], tok), tok)
+    assert traj.stop_reason is StopReason.ENV_ERROR and "rendering failed" in traj.error and "too long" in traj.error
+    assert len(traj.turns) == 1 and env.events == ["setup", "teardown"]
