@@ -196,8 +196,9 @@ if iso["mount"] == "namespace":
     libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None)
     keep = os.open(workdir, os.O_PATH)
     for d in (b"/tmp", b"/var/tmp", b"/dev/shm"):
-        if os.path.isdir(d):
-            libc.mount(b"tmpfs", d, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=%dm,mode=1777" % lim["tmpfs_mb"])
+        opts = b"size=%dm,mode=1777" % lim["tmpfs_mb"]
+        if os.path.isdir(d) and libc.mount(b"tmpfs", d, b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
+            raise OSError(ctypes.get_errno(), "cannot mount a private tmpfs on " + d.decode())
     # The work directory (under the host's /tmp, now hidden) reappears at a fixed path.
     os.mkdir("/tmp/sandbox")
     if libc.mount(b"/proc/self/fd/%d" % keep, b"/tmp/sandbox", None, 4096, None) != 0:  # MS_BIND

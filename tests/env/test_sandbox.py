@@ -95,13 +95,16 @@ async def test_memory_bomb_fails_inside() -> None:
     assert r.exit_code == 1 and "MemoryError" in r.stderr and "allocated" not in r.stdout
 
 
-async def test_cannot_write_outside_its_directory(tmp_path: Path) -> None:
-    victim = tmp_path / "victim.txt"
+async def test_cannot_write_outside_its_directory() -> None:
+    victim = Path(__file__).resolve().parent / f"victim-{uuid.uuid4().hex}.txt"  # not under /tmp: visible inside
     victim.write_text("original")
     host_tmp = Path("/tmp") / f"sandbox-escape-{uuid.uuid4().hex}"
     repo_file = Path(__file__).resolve().parent / f"escape-{uuid.uuid4().hex}"
+    # Only new files (removed below) and a file of the test's own: a broken sandbox must not
+    # damage the machine that tests it.
+    etc_file = Path("/etc") / f"sandbox-escape-{uuid.uuid4().hex}"
     code = textwrap.dedent(f"""
-        for path in [{str(victim)!r}, {str(host_tmp)!r}, {str(repo_file)!r}, "/etc/passwd"]:
+        for path in [{str(victim)!r}, {str(host_tmp)!r}, {str(repo_file)!r}, {str(etc_file)!r}]:
             try:
                 with open(path, "a") as f:
                     f.write("pwned")
@@ -117,13 +120,16 @@ async def test_cannot_write_outside_its_directory(tmp_path: Path) -> None:
         except OSError as exc:
             print("big refused", exc.strerror)
     """)
-    passwd = Path("/etc/passwd").read_bytes()
-    r = await run_python(code, FAST)
-    assert r.exit_code == 0, r.stderr
-    assert victim.read_text() == "original"
-    assert not host_tmp.exists() and not repo_file.exists()
-    assert Path("/etc/passwd").read_bytes() == passwd
-    assert "big refused File too large" in r.stdout
+    try:
+        r = await run_python(code, FAST)
+        assert r.exit_code == 0, r.stderr
+        assert victim.read_text() == "original"
+        assert not host_tmp.exists() and not repo_file.exists() and not etc_file.exists()
+        assert r.stdout.count("refused PermissionError") == 3  # /tmp is private: writing there is allowed
+        assert "big refused File too large" in r.stdout
+    finally:
+        for stray in (victim, host_tmp, repo_file, etc_file):
+            stray.unlink(missing_ok=True)
 
 
 async def test_infinite_loop_is_killed_by_cpu_limit() -> None:
