@@ -9,9 +9,9 @@ Variants:
 - `two_step`: `(A*B+C)*D-E`, and `calculate` takes at most two operations per call, so it needs
   two dependent calls: the second one uses the first one's result.
 
-`demo_replies(task)` gives the assistant replies of a correct episode (for a supervised
-warm-start: run them through `run_episode` with a `ScriptedPolicy` to get token-exact
-trajectories with loss masks).
+`demo_replies(task)` gives the assistant replies of a correct episode; `demo_transcripts` runs
+them through `run_episode` with a `ScriptedPolicy`: token-exact trajectories with loss masks,
+for a supervised warm-start.
 """
 
 from __future__ import annotations
@@ -19,14 +19,26 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from envs.arith import ExpressionError, count_operations, evaluate
-from slime_async.env import Env, EnvArgs, HermesParser, Limits, Split, ToolError, metric, reward, tool
-from slime_async.types import Task, ToolCall
+from slime_async.env import (
+    Env,
+    EnvArgs,
+    HermesParser,
+    Limits,
+    ScriptedPolicy,
+    Split,
+    ToolError,
+    metric,
+    reward,
+    run_episode,
+    tool,
+)
+from slime_async.types import Task, ToolCall, Trajectory
 
 Variant = Literal["one_step", "two_step"]
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -111,6 +123,21 @@ def demo_replies(task: Task, use_tool: bool = True) -> list[str]:
         for step in task.metadata["steps"]:
             replies.append(parser.format("", [ToolCall(name="calculate", arguments={"expression": step})]))
     return [*replies, f"The answer is {task.answer}."]
+
+
+async def demo_transcripts(
+    tasks: Iterable[Task], tokenizer: Any, args: CalculatorArgs | None = None, tool_fraction: float = 1.0, seed: int = 0
+) -> list[Trajectory]:
+    """Token-exact trajectories of correct episodes, with loss masks (1 on the model's replies),
+    for a supervised warm-start. A `tool_fraction` of them use the tool; the rest answer at once
+    (which of them is drawn by `seed`)."""
+    rng = random.Random(seed)
+    out = []
+    for task in tasks:
+        replies = demo_replies(task, use_tool=rng.random() < tool_fraction)
+        env = CalculatorEnv(args)
+        out.append(await run_episode(env, task, ScriptedPolicy(replies, tokenizer), tokenizer))
+    return out
 
 
 def _generate(args: CalculatorArgs, seed: int) -> Iterator[Task]:

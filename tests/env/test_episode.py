@@ -468,3 +468,13 @@ async def test_template_refusing_the_conversation_is_an_env_error(tokenizer: Any
     traj = await run_episode(env, TASK, ScriptedPolicy([call("add", a=2, b=3), "5"], tok), tok)
     assert traj.stop_reason is StopReason.ENV_ERROR and "rendering failed" in traj.error and "too long" in traj.error
     assert len(traj.turns) == 1 and env.events == ["setup", "teardown"]
+
+
+async def test_many_episodes_share_one_loop_without_sharing_state(tokenizer: Any) -> None:
+    envs = [ToyEnv() for _ in range(24)]
+    replies = [[call("add", a=i, b=5 - i), "5"] if i % 2 else [call("add", a=i, b=i), str(2 * i)] for i in range(24)]
+    policies = [ScriptedPolicy(r, tokenizer) for r in replies]
+    trajs = await asyncio.gather(*(run_episode(e, TASK, p, tokenizer) for e, p in zip(envs, policies, strict=True)))
+    assert [t.reward for t in trajs] == [2.0 if i % 2 else 0.0 for i in range(24)]
+    assert all(e.events == ["setup", "teardown"] for e in envs)
+    assert len({t.id for t in trajs}) == 24

@@ -102,3 +102,19 @@ def test_final_number() -> None:
     assert final_number("The answer is 1,102.") == 1102
     assert final_number("first 3 then -7") == -7
     assert final_number("none") is None
+
+
+async def test_demo_transcripts_for_warm_start(tokenizer: Any) -> None:
+    from envs.calculator import demo_transcripts
+
+    batch = tasks(n=20)
+    trajs = await demo_transcripts(batch, tokenizer, tool_fraction=0.5, seed=3)
+    assert [t.task_id for t in trajs] == [t.id for t in batch]
+    assert all(t.reward == 1.0 for t in trajs)
+    with_tool = sum(t.metrics["tool_calls"] > 0 for t in trajs)
+    assert 0 < with_tool < 20  # a mix, drawn by the seed
+    again = await demo_transcripts(batch, tokenizer, tool_fraction=0.5, seed=3)
+    assert [t.metrics["tool_calls"] for t in again] == [t.metrics["tool_calls"] for t in trajs]
+    ids, _, mask = trajs[0].flat()
+    text = tokenizer.decode(ids[mask == 1])
+    assert text.endswith(f"The answer is {batch[0].answer}.<|im_end|>") and "<|im_start|>" not in text
