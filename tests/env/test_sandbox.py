@@ -174,3 +174,32 @@ def _is_sandbox(proc: Path) -> bool:
 def test_file_names_cannot_leave_the_directory() -> None:
     with pytest.raises(ValueError, match="leaves the sandbox directory"):
         asyncio.run(run_python("", FAST, files={"../x.py": ""}))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fallback's user switch needs root")
+async def test_fallback_without_namespaces_still_contains(tmp_path: Path) -> None:
+    """Without namespaces: sockets refused by the audit hook, files by being `nobody`, bombs by rlimits."""
+    code = textwrap.dedent("""
+        import os, socket
+        try:
+            socket.create_connection(("127.0.0.1", 9), timeout=1)
+            print("connected")
+        except PermissionError as exc:
+            print("blocked", exc)
+        except OSError as exc:
+            print("unexpected", exc)
+        try:
+            open("/etc/sandbox-fallback-escape", "w")
+            print("wrote")
+        except PermissionError:
+            print("refused")
+        print(os.getuid())
+    """)
+    r = await run_python(code, FAST, namespaces=False)
+    assert r.exit_code == 0, r.stderr
+    assert r.isolation == {"network": "audit-hook", "mount": "none", "pid": "none", "user": "nobody"}
+    assert r.stdout.splitlines() == ["blocked network access is not allowed in the sandbox", "refused", "65534"]
+    Path("/etc/sandbox-fallback-escape").unlink(missing_ok=True)
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    r = await run_python(bomb, SandboxLimits(cpu_s=1, wall_s=2, max_processes=16), namespaces=False)
+    assert not r.ok and gone(r.pgid)
