@@ -1,10 +1,11 @@
 """`run_episode`: one environment, one task, one policy → one Trajectory.
 
 Every ending is a StopReason (see `slime_async.types.StopReason`); bad model output and failing
-tools become messages to the model and counters in `Trajectory.metrics`, never exceptions. The
-only exception that leaves `run_episode` is `asyncio.CancelledError` (the caller cancelled it);
-`teardown` has run by then. To withdraw an episode and still get its trajectory (StopReason.ABORTED),
-set the `stop` event instead.
+tools become messages to the model and counters in `Trajectory.metrics`, never exceptions. What
+leaves `run_episode` as an exception is the caller's doing: `asyncio.CancelledError` (it
+cancelled the episode; `teardown` has run by then) or RuntimeError for an Env instance
+reused. To withdraw an episode and still get its trajectory (StopReason.ABORTED), set the
+`stop` event instead.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ async def run_episode(
     `tokenizer` is the served model's HF tokenizer (its chat template renders the conversation).
     `limits` defaults to `env.limits`; `sampling` to `Sampling()` (its `max_new_tokens` is clamped
     to the episode's token budget). `stop`, when set, ends the episode with StopReason.ABORTED at
-    the next await (a running model call is cancelled). The trajectory's `group_id` defaults to
-    the task id. `verifiers` is the process pool that `Env.verify` uses (one per worker).
+    its next model call (a running one is cancelled), with the turns so far and no rewards. The
+    trajectory's `group_id` defaults to the task id. `verifiers` is the process pool that
+    `Env.verify` uses (one per rollout worker).
     """
     if getattr(env, "_used", False):
         raise RuntimeError(f"{type(env).__name__} instance reused: make one instance per episode")
