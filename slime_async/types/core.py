@@ -135,6 +135,10 @@ class Turn(msgspec.Struct, kw_only=True):
     None means all ones."""
     finish_reason: str = ""
     """The server's finish reason for this call: stop, length or abort."""
+    new_branch: bool = False
+    """True when `prompt_ids` is the whole context rather than an extension of the previous
+    turns: the chat template rewrote history (e.g. dropped earlier reasoning), so from this turn
+    on the tokens form a new sequence."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = as_array(self.prompt_ids, TOKEN_DTYPE, "prompt_ids")
@@ -201,8 +205,14 @@ class Trajectory(msgspec.Struct, kw_only=True):
     def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The whole sequence as (token ids, behaviour logprobs, loss mask), one entry per token.
 
-        Prompt tokens have logprob 0 and mask 0; completion tokens keep theirs.
+        Prompt tokens have logprob 0 and mask 0; completion tokens keep theirs. A trajectory
+        whose later turns start a new branch is not one sequence: that is an error here.
         """
+        if any(t.new_branch for t in self.turns[1:]):
+            raise ValueError(
+                f"trajectory {self.id} has turns that start a new branch (the chat template is not "
+                "append-only): it is several sequences, split it at turns with new_branch=True"
+            )
         ids, logprobs, mask = [], [], []
         for t in self.turns:
             ids += [t.prompt_ids, t.completion_ids]

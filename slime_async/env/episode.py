@@ -1,0 +1,376 @@
+"""`run_episode`: one environment, one task, one policy → one Trajectory.
+
+Every ending is a StopReason (see `slime_async.types.StopReason`); bad model output and failing
+tools become messages to the model and counters in `Trajectory.metrics`, never exceptions. What
+leaves `run_episode` as an exception is the caller's doing: `asyncio.CancelledError` (it
+cancelled the episode; `teardown` has run by then) or RuntimeError for an Env instance
+reused. To withdraw an episode and still get its trajectory (StopReason.ABORTED), set the
+`stop` event instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from slime_async.env.base import Env
+from slime_async.env.limits import Limits
+from slime_async.env.parsers import ToolCallParser
+from slime_async.env.policy import Generation, Policy, Sampling
+from slime_async.env.renderer import Renderer
+from slime_async.env.rewards import RewardSpec
+from slime_async.env.tools import ToolArgumentError, ToolError
+from slime_async.env.verify import VerifierPool
+from slime_async.types import Message, StopReason, Task, ToolCall, Trajectory, Turn
+
+# Counters every trajectory carries in `metrics` (0 when nothing happened), so that sums over a
+# run are meaningful without knowing which episodes hit what.
+COUNTERS = (
+    "turns", "tool_calls", "tool_errors", "tool_timeouts", "unknown_tools", "bad_tool_args",
+    "tool_outputs_truncated", "parse_errors", "reward_errors", "teardown_errors", "new_branches",
+    "completion_tokens", "total_tokens",
+)  # fmt: skip
+
+
+class _Stop(Exception):
+    """Ends the loop with a reason (internal)."""
+
+    def __init__(self, reason: StopReason, error: str = "") -> None:
+        self.reason, self.error = reason, error
+
+
+async def run_episode(
+    env: Env,
+    task: Task,
+    policy: Policy,
+    tokenizer: Any,
+    *,
+    limits: Limits | None = None,
+    sampling: Sampling | None = None,
+    parser: ToolCallParser | None = None,
+    stop: asyncio.Event | None = None,
+    group_id: str = "",
+    sample_index: int = 0,
+    env_name: str = "",
+    verifiers: VerifierPool | None = None,
+) -> Trajectory:
+    """Run one episode of `env` (a fresh instance) on `task` with `policy`.
+
+    `tokenizer` is the served model's HF tokenizer (its chat template renders the conversation).
+    `limits` defaults to `env.limits`; `sampling` to `Sampling()` (its `max_new_tokens` is clamped
+    to the episode's token budget). `stop`, when set, ends the episode with StopReason.ABORTED at
+    its next model call (a running one is cancelled), with the turns so far and no rewards. The
+    trajectory's `group_id` defaults to the task id. `verifiers` is the process pool that
+    `Env.verify` uses (one per rollout worker).
+    """
+    if getattr(env, "_used", False):
+        raise RuntimeError(f"{type(env).__name__} instance reused: make one instance per episode")
+    env._used = True  # type: ignore[attr-defined]
+    env.verifiers = verifiers
+    episode = _Episode(env, task, policy, tokenizer, limits or env.limits, sampling or Sampling(), parser, stop)
+    try:
+        await episode.run()
+    finally:
+        await episode.teardown()
+    return Trajectory(
+        task_id=task.id,
+        group_id=group_id or task.id,
+        sample_index=sample_index,
+        turns=episode.turns,
+        stop_reason=episode.reason,
+        rewards=episode.rewards,
+        reward=episode.reward,
+        metrics=episode.metrics,
+        timings=dict(episode.timings),
+        env=env_name or f"{type(env).__module__}:{type(env).__qualname__}",
+        error=episode.error,
+    )
+
+
+class _Episode:
+    def __init__(
+        self, env: Env, task: Task, policy: Policy, tokenizer: Any, limits: Limits, sampling: Sampling,
+        parser: ToolCallParser | None, stop: asyncio.Event | None,
+    ) -> None:  # fmt: skip
+        self.env, self.task, self.policy, self.limits, self.sampling = env, task, policy, limits, sampling
+        self.tokenizer, self.parser, self.stop = tokenizer, parser, stop
+        self.turns: list[Turn] = []
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.timings: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.reason = StopReason.ABORTED
+        self.error = ""
+        self.rewards: dict[str, float] = {}
+        self.reward = 0.0
+        self.env_metrics: dict[str, float] = {}
+        self.renderer: Renderer | None = None
+        self.pending: list[int] = []  # environment tokens to record with the next model call
+        self.branch = False  # whether `pending` starts a new branch (the whole context)
+        self.t0 = time.monotonic()
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        out = {name: float(self.counts[name]) for name in COUNTERS}
+        out.update({k: float(v) for k, v in self.counts.items() if k not in out})
+        out.update(self.env_metrics)
+        return out
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            async with asyncio.timeout(self.limits.episode_timeout_s) as deadline:
+                await self._setup()
+                await self._loop()
+        except _Stop as stop:
+            self.reason, self.error = stop.reason, stop.error
+        except TimeoutError:
+            # Only the deadline's own expiry gets here: every other TimeoutError (a tool's, the
+            # env's) is caught where it happens and becomes a message or an ENV_ERROR.
+            if not deadline.expired():
+                raise
+            self.reason = StopReason.EPISODE_TIMEOUT
+        self.timings["episode"] = time.monotonic() - self.t0
+        if self.reason not in (StopReason.ENV_ERROR, StopReason.SERVER_ERROR, StopReason.ABORTED):
+            t = time.monotonic()
+            await self._score()
+            self.timings["reward"] = time.monotonic() - t
+
+    async def _setup(self) -> None:
+        self.env.task = self.task
+        try:
+            await self.env.setup(self.task)
+            messages = self.env.prompt(self.task)
+            tools = self.env.tool_schemas() if self.env.show_tools else None
+            self.renderer = Renderer(self.tokenizer, tools=tools, parser=self.parser)
+            self.pending = self.renderer.start(messages)
+            self.branch = False
+        except Exception as exc:  # not CancelledError: a deadline or the caller is not the env's fault
+            raise _Stop(StopReason.ENV_ERROR, f"setup failed: {type(exc).__name__}: {exc}") from exc
+
+    async def _loop(self) -> None:
+        renderer = self.renderer
+        assert renderer is not None
+        self.consecutive_parse_errors = 0
+        for turn_index in range(self.limits.max_turns):
+            if self.limits.max_total_tokens - len(renderer.ids) <= 0:
+                raise _Stop(StopReason.MAX_TOKENS)
+            try:
+                async with asyncio.timeout(self.limits.turn_timeout_s) as turn_deadline:
+                    new_messages = await self._turn()
+                    if turn_index + 1 == self.limits.max_turns:
+                        break
+                    try:
+                        delta = renderer.extend(new_messages)
+                    except Exception as exc:  # the chat template refused the env's messages
+                        raise _Stop(StopReason.ENV_ERROR, f"rendering failed: {type(exc).__name__}: {exc}") from exc
+            except TimeoutError:
+                if not turn_deadline.expired():
+                    raise
+                raise _Stop(StopReason.TURN_TIMEOUT) from None
+            self.counts["new_branches"] += delta.new_branch
+            self.pending, self.branch = delta.ids, delta.new_branch
+            self.counts["total_tokens"] = len(renderer.ids)
+        raise _Stop(StopReason.MAX_TURNS)
+
+    async def _turn(self) -> list[Message]:
+        """One model call and what answers it; raises _Stop when the episode ends here."""
+        renderer, limits = self.renderer, self.limits
+        assert renderer is not None
+        sampling = self.sampling
+        left = limits.max_total_tokens - len(renderer.ids)
+        if left < sampling.max_new_tokens:
+            sampling = msgspec.structs.replace(sampling, max_new_tokens=left)
+        gen = await self._generate(sampling)
+        completion = [int(i) for i in gen.completion_ids]
+        turn = Turn(
+            prompt_ids=self.pending, completion_ids=completion, logprobs=gen.logprobs,
+            versions=gen.versions, finish_reason=gen.finish_reason, new_branch=self.branch,
+        )  # fmt: skip
+        self.turns.append(turn)
+        self.counts["turns"] += 1
+        self.counts["completion_tokens"] += len(completion)
+        if gen.finish_reason == "abort":
+            raise _Stop(StopReason.ABORTED, "the server aborted the request")
+        try:
+            parsed = renderer.parse(completion)
+        except Exception as exc:  # ids the tokenizer cannot decode: the server's fault
+            raise _Stop(StopReason.SERVER_ERROR, f"undecodable output: {type(exc).__name__}: {exc}") from exc
+        message = Message(role="assistant", content=parsed.content, tool_calls=parsed.tool_calls)
+        renderer.add_completion(completion, message)
+        self.counts["total_tokens"] = len(renderer.ids)
+        if gen.finish_reason == "length":
+            budget_hit = sampling.max_new_tokens < self.sampling.max_new_tokens
+            raise _Stop(StopReason.MAX_TOKENS if budget_hit else StopReason.TRUNCATED)
+        new_messages: list[Message] = []
+        if parsed.errors:
+            self.consecutive_parse_errors += 1
+            self.counts["parse_errors"] += 1
+            policy = limits.parse_errors
+            if policy.mask_bad_turn:
+                turn.loss_mask[:] = 0
+            if not policy.feedback or self.consecutive_parse_errors >= policy.max_consecutive:
+                raise _Stop(StopReason.PARSE_ERROR, "; ".join(parsed.errors))
+            new_messages += [Message(role="tool", content=f"error: {e}", name="parse_error") for e in parsed.errors]
+        else:
+            self.consecutive_parse_errors = 0
+        if parsed.tool_calls:
+            if self.counts["tool_calls"] + len(parsed.tool_calls) > limits.max_tool_calls:
+                raise _Stop(StopReason.MAX_TOOL_CALLS)
+            new_messages += await self._run_tools(parsed.tool_calls)
+        elif not parsed.errors:
+            reply = await self._on_reply(message)
+            if not reply:
+                raise _Stop(StopReason.DONE)
+            new_messages += reply
+        if self.env.done:
+            raise _Stop(StopReason.DONE)
+        return new_messages
+
+    async def _generate(self, sampling: Sampling) -> Generation:
+        assert self.renderer is not None
+        t = time.monotonic()
+        call = asyncio.ensure_future(self.policy.generate(np.asarray(self.renderer.ids, dtype=np.int64), sampling))
+        waiters: set[asyncio.Future[Any]] = {call}
+        stopper = asyncio.ensure_future(self.stop.wait()) if self.stop is not None else None
+        if stopper is not None:
+            waiters.add(stopper)
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.timings["generate"] += time.monotonic() - t
+            for f in waiters:
+                if not f.done():
+                    f.cancel()
+        if not call.done() or call.cancelled():
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            raise _Stop(StopReason.ABORTED, "stopped by the caller")
+        exc = call.exception()
+        if exc is not None:
+            raise _Stop(StopReason.SERVER_ERROR, f"{type(exc).__name__}: {exc}")
+        gen = call.result()
+        n = len(gen.completion_ids)
+        if len(gen.logprobs) != n or len(gen.versions) != n:
+            raise _Stop(
+                StopReason.SERVER_ERROR,
+                f"malformed generation: {n} tokens, {len(gen.logprobs)} logprobs, {len(gen.versions)} versions",
+            )
+        return gen
+
+    async def _on_reply(self, message: Message) -> list[Message] | None:
+        try:
+            return await self.env.on_reply(message)
+        except Exception as exc:
+            raise _Stop(StopReason.ENV_ERROR, f"on_reply failed: {type(exc).__name__}: {exc}") from exc
+
+    # ---- tools -------------------------------------------------------------------------------
+
+    async def _run_tools(self, calls: list[ToolCall]) -> list[Message]:
+        t = time.monotonic()
+        self.counts["tool_calls"] += len(calls)
+        gate = asyncio.Semaphore(self.limits.max_parallel_tools)
+
+        async def one(call: ToolCall) -> Message:
+            async with gate:
+                content = await self._call_tool(call)
+            if len(content) > self.limits.max_tool_output_chars:
+                self.counts["tool_outputs_truncated"] += 1
+                cut = len(content) - self.limits.max_tool_output_chars
+                content = content[: self.limits.max_tool_output_chars] + f"\n[... {cut} more characters cut]"
+            return Message(role="tool", content=content, tool_call_id=call.id, name=call.name)
+
+        try:
+            return list(await asyncio.gather(*(one(c) for c in calls)))
+        finally:
+            self.timings["tools"] += time.monotonic() - t
+
+    async def _call_tool(self, call: ToolCall) -> str:
+        spec = self.env.tools.get(call.name)
+        if spec is None:
+            self.counts["unknown_tools"] += 1
+            return f"error: unknown tool {call.name!r}; the tools are: {', '.join(self.env.tools) or 'none'}"
+        try:
+            args = spec.validate(call.arguments)
+        except ToolArgumentError as exc:
+            self.counts["bad_tool_args"] += 1
+            return f"error: bad arguments for {call.name}: {exc}"
+        try:
+            injected = {name: self.env.injected(name) for name in spec.hidden}
+            async with asyncio.timeout(self.limits.tool_timeout_s) as deadline:
+                result = await spec.invoke(self.env, args, injected)
+        except TimeoutError:
+            if not deadline.expired():
+                self.counts["tool_errors"] += 1
+                return f"error: {call.name} raised TimeoutError"
+            self.counts["tool_timeouts"] += 1
+            return f"error: {call.name} timed out after {self.limits.tool_timeout_s:g} s"
+        except ToolError as exc:
+            self.counts["tool_errors"] += 1
+            return f"error: {exc}"
+        except Exception as exc:
+            self.counts["tool_errors"] += 1
+            return f"error: {call.name} raised {type(exc).__name__}: {exc}"
+        if isinstance(result, str):
+            return result
+        try:
+            return msgspec.json.encode(result).decode()
+        except (TypeError, msgspec.EncodeError):
+            return str(result)
+
+    # ---- rewards and teardown ----------------------------------------------------------------
+
+    async def _score(self) -> None:
+        renderer = self.renderer
+        messages = renderer.messages if renderer is not None else []
+        last = next((m for m in reversed(messages) if m.role == "assistant"), None)
+        available = {
+            "task": self.task, "answer": self.task.answer, "messages": messages,
+            "completion": last.content if last is not None else "", "stop_reason": self.reason,
+            "turns": self.turns, "metrics": self.metrics,
+        }  # fmt: skip
+        env = self.env
+        for spec in env.rewards.values():
+            self.rewards[spec.name] = await self._measure(spec, available)
+        for spec in env.metrics.values():
+            self.env_metrics[spec.name] = await self._measure(spec, available)
+        penalty = self.limits.parse_errors.penalty
+        if penalty and self.counts["parse_errors"]:
+            self.rewards["parse_error"] = penalty * self.counts["parse_errors"]
+        self.reward = sum(
+            env.rewards[name].weight * value if name in env.rewards else value for name, value in self.rewards.items()
+        )
+
+    async def _measure(self, spec: RewardSpec, available: dict[str, Any]) -> float:
+        try:
+            value = await asyncio.wait_for(spec.call(self.env, available), self.limits.reward_timeout_s)
+            return float(value)
+        except Exception as exc:  # raised or timed out; CancelledError still propagates
+            self.counts["reward_errors"] += 1
+            self.counts[f"reward_errors/{spec.name}"] += 1
+            if not self.error:
+                self.error = f"{spec.kind} {spec.name} failed: {type(exc).__name__}: {exc}"
+            return spec.on_error
+
+    async def teardown(self) -> None:
+        # Shielded: a second cancellation while tearing down must not leak the env's resources.
+        task = asyncio.ensure_future(asyncio.wait_for(self.env.teardown(), self.limits.teardown_timeout_s))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(task), self.limits.teardown_timeout_s)
+            self._count_teardown(task)
+            raise
+        except Exception:
+            pass
+        self._count_teardown(task)
+
+    def _count_teardown(self, task: asyncio.Future[Any]) -> None:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            self.counts["teardown_errors"] += 1

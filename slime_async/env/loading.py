@@ -1,0 +1,60 @@
+"""From the config's `env.name` ("module:Class") and `env.args` to episodes and tasks."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from slime_async.env.base import Env, EnvArgs, Split
+from slime_async.types import Task
+
+
+class EnvLoadError(ValueError):
+    """`env.name` or `env.args` is wrong; the message names the place and the fix."""
+
+
+class EnvFactory:
+    """Makes a fresh Env per episode, all with the same validated arguments."""
+
+    def __init__(self, cls: type[Env], args: EnvArgs, name: str = "") -> None:
+        self.cls, self.args = cls, args
+        self.name = name or f"{cls.__module__}:{cls.__qualname__}"
+
+    @classmethod
+    def from_config(cls, name: str, args: dict[str, Any] | None = None) -> EnvFactory:
+        """`EnvFactory.from_config("envs.calculator:CalculatorEnv", {"seed": 1})`."""
+        env_cls = load_env_class(name)
+        try:
+            parsed = msgspec.convert(args or {}, env_cls.Args)
+        except msgspec.ValidationError as exc:
+            fields = ", ".join(env_cls.Args.__struct_fields__)
+            raise EnvLoadError(f"env.args: {exc} (for {name}; it takes: {fields})") from None
+        return cls(env_cls, parsed, name)
+
+    def new(self) -> Env:
+        """A fresh instance for one episode."""
+        return self.cls(self.args)
+
+    def tasks(self, split: Split) -> Iterable[Task]:
+        """The environment's own tasks for a split (train or eval), deterministic by `args.seed`."""
+        return self.cls.tasks(self.args, split)
+
+
+def load_env_class(name: str) -> type[Env]:
+    """Import `module:Class` and check that it is an Env subclass."""
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise EnvLoadError(f"env.name: {name!r} is not 'module:Class' (e.g. 'envs.calculator:CalculatorEnv')")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EnvLoadError(f"env.name: cannot import module {module_name!r}: {exc}") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise EnvLoadError(f"env.name: module {module_name!r} has no {attr!r}")
+    if not (isinstance(obj, type) and issubclass(obj, Env)):
+        raise EnvLoadError(f"env.name: {name} is not a subclass of slime_async.env.Env")
+    return obj

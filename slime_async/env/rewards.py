@@ -1,0 +1,92 @@
+"""`@reward`, `@metric` and `@group_reward`: verifiers declared on the Env class.
+
+A reward or metric method receives only the arguments it names, from `REWARD_ARGS`; a name
+outside that set is an error when the class is defined, not when the first episode ends.
+Sync methods run in a thread (a verifier may be slow); CPU-heavy or untrusted checks should go
+to `Env.verify` (a process pool). One that raises or times out scores its `on_error` value and
+is counted in the trajectory's metrics (`reward_errors`); it never ends the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+REWARD_ARGS = {
+    "task": "the Task (its `answer` is the label)",
+    "answer": "task.answer",
+    "messages": "the whole conversation as list[Message]",
+    "completion": "text content of the last assistant message ('' if none)",
+    "stop_reason": "the episode's StopReason",
+    "turns": "the episode's list[Turn] (tokens, logprobs, versions)",
+    "metrics": "the episode's counters so far (tool_calls, tool_errors, ...)",
+}
+"""Argument names a `@reward` or `@metric` method may take (besides `self`)."""
+
+GROUP_REWARD_ARGS = {
+    "trajectories": "the group's list[Trajectory], rewards filled in",
+    "task_id": "the group's task id",
+}
+"""Argument names a `@group_reward` function may take."""
+
+
+class RewardSpec:
+    """A declared reward, metric or group reward."""
+
+    def __init__(self, fn: Callable[..., Any], kind: str, weight: float, on_error: float) -> None:
+        self.fn = fn
+        self.kind = kind
+        self.name = fn.__name__
+        self.weight = weight
+        self.on_error = on_error
+        self.is_async = inspect.iscoroutinefunction(fn)
+        allowed = GROUP_REWARD_ARGS if kind == "group_reward" else REWARD_ARGS
+        params = list(inspect.signature(fn).parameters)
+        if kind != "group_reward":
+            params = params[1:]  # self
+        unknown = [p for p in params if p not in allowed]
+        if unknown:
+            raise TypeError(f"@{kind} {fn.__qualname__}: unknown argument(s) {unknown}; it may take {sorted(allowed)}")
+        self.params = params
+
+    async def call(self, owner: Any, available: dict[str, Any]) -> Any:
+        """Call with the arguments it names; a sync function runs in a thread."""
+        kwargs = {p: available[p] for p in self.params}
+        args = () if owner is None else (owner,)
+        if self.is_async:
+            return await self.fn(*args, **kwargs)
+        return await asyncio.to_thread(self.fn, *args, **kwargs)
+
+
+def reward(fn: Callable[..., Any] | None = None, *, weight: float = 1.0, on_error: float = 0.0) -> Any:
+    """Declare a reward: `@reward` or `@reward(weight=0.5, on_error=0.0)`. Returns a float (bool counts)."""
+
+    def mark(f: Callable[..., Any]) -> Callable[..., Any]:
+        f.__slime_reward__ = RewardSpec(f, "reward", weight, on_error)  # type: ignore[attr-defined]
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def metric(fn: Callable[..., Any] | None = None, *, on_error: float = float("nan")) -> Any:
+    """Declare a metric: measured like a reward, recorded in `Trajectory.metrics`, never trained on."""
+
+    def mark(f: Callable[..., Any]) -> Callable[..., Any]:
+        f.__slime_reward__ = RewardSpec(f, "metric", 0.0, on_error)  # type: ignore[attr-defined]
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def group_reward(fn: Callable[..., Any] | None = None, *, weight: float = 1.0, on_error: float = 0.0) -> Any:
+    """Declare a reward over a finished group: a function (no `self`: it sees the group, not one
+    episode) taking `trajectories`/`task_id` and returning one float per trajectory. Applied by
+    `apply_group_rewards`."""
+
+    def mark(f: Callable[..., Any]) -> Any:
+        f.__slime_reward__ = RewardSpec(f, "group_reward", weight, on_error)  # type: ignore[attr-defined]
+        return staticmethod(f)
+
+    return mark(fn) if fn is not None else mark
