@@ -104,6 +104,7 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self._version_listeners: list[Any] = []
+        self._background: set[asyncio.Future] = set()
 
     async def __aenter__(self) -> SGLangClient:
         await self.start()
@@ -118,6 +119,8 @@ class SGLangClient:
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def close(self) -> None:
+        if self._background:  # pending aborts must reach the servers before the session closes
+            await asyncio.wait(self._background, timeout=10)
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -201,7 +204,7 @@ class SGLangClient:
             except asyncio.CancelledError:
                 self._abort_soon(server, rid)
                 raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, BadResponse, ConnectionError) as exc:
+            except (TimeoutError, aiohttp.ClientError, BadResponse, ConnectionError) as exc:
                 if isinstance(exc, asyncio.TimeoutError):
                     self._abort_soon(server, rid)  # it may still be decoding: stop it
                 last_error = f"{server.url}: {type(exc).__name__}: {exc}"
@@ -246,7 +249,7 @@ class SGLangClient:
             for callback in self._version_listeners:
                 result = callback(version)
                 if asyncio.iscoroutine(result):
-                    asyncio.ensure_future(result)
+                    self._spawn(result)
 
     # --- routing and health -------------------------------------------------------------
 
@@ -281,7 +284,13 @@ class SGLangClient:
                     self.stats.aborts_sent += 1
 
         if session is not None and not session.closed:
-            asyncio.ensure_future(abort())
+            self._spawn(abort())
+
+    def _spawn(self, coro: Any) -> None:
+        """Run `coro` in the background, keeping a reference until it ends (close() waits for it)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _health_loop(self) -> None:
         assert self._session is not None
@@ -303,6 +312,6 @@ class SGLangClient:
             try:
                 async with self._session.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     server.healthy = r.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+            except (TimeoutError, aiohttp.ClientError, ConnectionError):
                 server.healthy = False
         return {u: s.healthy for u, s in self.servers.items()}

@@ -1,0 +1,26 @@
+"""Rollout: many concurrent multi-turn episodes on one asyncio loop per worker, against SGLang servers.
+
+Owns: the SGLang client (`client`: aiohttp, sticky and least-loaded routing over many servers,
+retries, failover, aborts, resuming requests that a weight update aborted), the staleness
+admission rule (`admission`), the scheduler (`scheduler`: groups of n, concurrency limit,
+group filtering, accounting) and the sinks finished groups go to (`sinks`). Does not own: what
+an episode does (`env`), the wire to the buffer (`transport`), training.
+"""
+
+from slime_async.rollout.admission import StalenessBudget
+from slime_async.rollout.client import Generation, ServerError, SGLangClient
+from slime_async.rollout.scheduler import HttpPolicy, RolloutStats, Scheduler
+from slime_async.rollout.sinks import JsonlSink, ListSink, Sink
+
+__all__ = [
+    "Generation",
+    "HttpPolicy",
+    "JsonlSink",
+    "ListSink",
+    "RolloutStats",
+    "SGLangClient",
+    "Scheduler",
+    "ServerError",
+    "Sink",
+    "StalenessBudget",
+]

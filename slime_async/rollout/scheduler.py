@@ -1,0 +1,214 @@
+"""The scheduler: many episodes on one event loop, groups of n, staleness admission, no lockstep.
+
+Every episode is an asyncio task. A new one starts whenever the concurrency limit and the
+staleness budget allow; nothing waits for the slowest episode of a batch. When all n samples of
+a task are done, the group gets its group rewards, is filtered (DAPO-style: equal rewards carry
+no signal) and goes to the sink. Every started episode ends in exactly one sink record or one
+counted drop: `stats.balanced()` checks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from slime_async.env import EnvFactory, Generation, Limits, Sampling, VerifierPool, apply_group_rewards, run_episode
+from slime_async.rollout.admission import StalenessBudget
+from slime_async.rollout.client import ServerError, SGLangClient
+from slime_async.rollout.sinks import Sink
+from slime_async.types import StopReason, Task, Trajectory, new_id
+
+log = logging.getLogger(__name__)
+
+
+class HttpPolicy:
+    """The env API's `Policy` over the SGLang client; one per episode (sticky routing key)."""
+
+    def __init__(self, client: SGLangClient, episode: str) -> None:
+        self.client = client
+        self.episode = episode
+
+    async def generate(self, input_ids: np.ndarray, sampling: Sampling) -> Generation:
+        gen = await self.client.generate(input_ids, sampling.to_sglang(), episode=self.episode)
+        return Generation(completion_ids=gen.output_ids, logprobs=gen.logprobs, versions=gen.versions,
+                          finish_reason=gen.finish_reason if gen.finish_reason in ("stop", "length", "abort")
+                          else "stop")
+
+
+@dataclass
+class RolloutStats:
+    """Counts of a scheduler run; `started == sent + dropped` once it is drained."""
+
+    started: int = 0
+    finished: int = 0
+    sent: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    groups_sent: int = 0
+    groups_dropped: Counter = field(default_factory=Counter)
+    turns: int = 0
+    tokens: int = 0
+    stop_reasons: Counter = field(default_factory=Counter)
+    staleness: Counter = field(default_factory=Counter)
+    """Versions between the oldest token of a trajectory and the version when it was sent."""
+    rewards: list[float] = field(default_factory=list)
+    started_at: float = field(default_factory=time.monotonic)
+
+    def balanced(self) -> bool:
+        return self.started == self.sent + sum(self.dropped.values())
+
+    def summary(self) -> dict[str, Any]:
+        elapsed = max(time.monotonic() - self.started_at, 1e-9)
+        return {
+            "episodes": self.finished, "sent": self.sent, "dropped": dict(self.dropped),
+            "groups_sent": self.groups_sent, "groups_dropped": dict(self.groups_dropped),
+            "episodes_per_s": self.finished / elapsed, "turns_per_s": self.turns / elapsed,
+            "tokens_per_s": self.tokens / elapsed, "stop_reasons": dict(self.stop_reasons),
+            "staleness": dict(self.staleness),
+            "mean_reward": float(np.mean(self.rewards)) if self.rewards else 0.0,
+        }
+
+
+class Scheduler:
+    """Runs groups of episodes of one environment against SGLang servers, into a sink."""
+
+    def __init__(
+        self,
+        factory: EnvFactory,
+        tasks: Iterable[Task],
+        client: SGLangClient,
+        tokenizer: Any,
+        sink: Sink,
+        *,
+        group_size: int = 8,
+        batch_size: int = 64,
+        max_staleness: int = 2,
+        max_concurrency: int = 256,
+        sampling: Sampling | None = None,
+        limits: Limits | None = None,
+        filter_equal_rewards: bool = True,
+        version: int = 0,
+        accepted: int = 0,
+        verifiers: VerifierPool | None = None,
+    ) -> None:
+        self.factory = factory
+        self._tasks: Iterator[Task] = iter(tasks)
+        self.client = client
+        self.tokenizer = tokenizer
+        self.sink = sink
+        self.group_size = group_size
+        self.sampling = sampling or Sampling()
+        self.limits = limits
+        self.filter_equal_rewards = filter_equal_rewards
+        self.verifiers = verifiers
+        self.budget = StalenessBudget(batch_size, max_staleness, version=version, accepted=accepted)
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self.stats = RolloutStats()
+        self._stop = asyncio.Event()
+        client.on_version(self.budget.set_version)
+
+    async def set_version(self, version: int) -> None:
+        """Tell the scheduler the engines now serve `version` (from the weight-sync protocol)."""
+        await self.budget.set_version(version)
+
+    def stop(self) -> None:
+        """Start no new groups; running episodes finish (as ABORTED at their next model call)."""
+        self._stop.set()
+
+    async def run(self, num_groups: int | None = None) -> RolloutStats:
+        """Run until `num_groups` groups finished (or the tasks run out, or `stop()`); returns the stats."""
+        groups: set[asyncio.Task] = set()
+        try:
+            for count in itertools.count():
+                if (num_groups is not None and count >= num_groups) or self._stop.is_set():
+                    break
+                task = next(self._tasks, None)
+                if task is None:
+                    break
+                admitted: asyncio.Future = asyncio.get_running_loop().create_future()
+                group = asyncio.create_task(self._run_group(task, admitted))
+                groups.add(group)
+                group.add_done_callback(groups.discard)
+                # Start the next group only once this one's episodes are all admitted: admission
+                # order is then group order, and a full budget holds back whole groups.
+                await asyncio.wait({admitted, group}, return_when=asyncio.FIRST_COMPLETED)
+            if groups:
+                await asyncio.gather(*groups)
+        finally:
+            for g in groups:
+                g.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*groups, return_exceptions=True)
+        return self.stats
+
+    async def _run_group(self, task: Task, admitted: asyncio.Future) -> None:
+        group_id = new_id()
+        episodes = []
+        try:
+            for i in range(self.group_size):
+                await self.budget.acquire()
+                await self._slots.acquire()
+                self.stats.started += 1
+                episodes.append(asyncio.create_task(self._run_one(task, group_id, i)))
+        finally:
+            if not admitted.done():
+                admitted.set_result(None)
+        trajectories: list[Trajectory] = await asyncio.gather(*episodes)
+        await self._finish_group(trajectories)
+
+    async def _run_one(self, task: Task, group_id: str, index: int) -> Trajectory:
+        episode = f"{group_id}-{index}"
+        try:
+            return await run_episode(
+                self.factory.new(), task, HttpPolicy(self.client, episode), self.tokenizer,
+                limits=self.limits, sampling=self.sampling, stop=self._stop, group_id=group_id,
+                sample_index=index, env_name=self.factory.name, verifiers=self.verifiers,
+            )
+        except ServerError as exc:  # run_episode turns policy errors into SERVER_ERROR; this is a guard
+            log.error("episode %s failed: %s", episode, exc)
+            raise
+        finally:
+            self._slots.release()
+            self.client.release(episode)
+
+    async def _finish_group(self, group: list[Trajectory]) -> None:
+        s = self.stats
+        for t in group:
+            s.finished += 1
+            s.stop_reasons[t.stop_reason.value] += 1
+            s.turns += len(t.turns)
+            s.tokens += t.num_completion_tokens
+        reason = self._drop_reason(group)
+        if reason is None:
+            await apply_group_rewards(self.factory.cls, group)
+            if self.filter_equal_rewards and len(group) > 1 and len({t.reward for t in group}) == 1:
+                reason = "equal_rewards"
+        kept = reason is None
+        for t in group:
+            s.rewards.append(t.reward)
+            await self.budget.release(kept)
+        if not kept:
+            s.dropped[reason] += len(group)
+            s.groups_dropped[reason] += 1
+            return
+        for t in group:
+            s.staleness[t.staleness(self.budget.version)] += 1
+        await self.sink.put(group)
+        s.sent += len(group)
+        s.groups_sent += 1
+
+    @staticmethod
+    def _drop_reason(group: list[Trajectory]) -> str | None:
+        """A group with an episode that could not finish (server or env failure) is not trainable."""
+        for t in group:
+            if t.stop_reason in (StopReason.SERVER_ERROR, StopReason.ENV_ERROR, StopReason.ABORTED):
+                return t.stop_reason.value
+        return None
