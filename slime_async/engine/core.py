@@ -78,6 +78,8 @@ class Engine:
         self.paused = False
         self.steps = 0
         self.generated_tokens = 0
+        self.finished = 0
+        self.aborted = 0
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -199,6 +201,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
         seq.finish_reason = reason
+        self.finished += 1
+        self.aborted += reason["type"] == "abort"
         if seq in self.running:
             self.running.remove(seq)
         seq.slot = None

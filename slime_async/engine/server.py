@@ -115,6 +115,7 @@ class EngineServer:
             "internal_states": [{
                 "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting), "paused": e.paused,
                 "decode_steps": e.steps, "generated_tokens": e.generated_tokens,
+                "finished_reqs": e.finished, "aborted_reqs": e.aborted,
             }],
         })
 

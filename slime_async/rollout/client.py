@@ -194,7 +194,10 @@ class SGLangClient:
                         raise BadResponse(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                     if resp.status >= 400:  # our request is wrong: retrying elsewhere will not help
                         raise ValueError(f"{server.url}/generate refused the request: {(await resp.text())[:500]}")
-                    data = await resp.json(content_type=None)
+                    try:
+                        data = await resp.json(content_type=None)
+                    except ValueError as exc:
+                        raise BadResponse(f"not JSON ({exc})") from None
                 answer = self._parse(data)
                 server.failures = 0
                 server.latencies.append(time.monotonic() - start)
