@@ -58,11 +58,12 @@ def clear_errors(fn: F) -> F:
 def not_yet(command: str, what: str, issue: int) -> NoReturn:
     fail(
         f"`slime-async {command}` is not available yet: {what} lands with issue #{issue}. "
-        "Available now: init-model, serve, config show, bench."
+        "Available now: init-model, serve, rollout, config show, bench."
     )
 
 
 def _load(config: Path, overrides: list[str] | None):  # -> Config
+    """The validated config, with its model directory checked (made first if it is `tiny`)."""
     cfg = load_config(config, overrides or [])
     from slime_async.config.model_dir import resolve_model_path
 
@@ -83,11 +84,27 @@ def train(config: ConfigArg, overrides: OverridesArg = None) -> None:
 def rollout(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    out: Annotated[Path, typer.Option(help="JSONL file for the trajectories.")] = Path("trajectories.jsonl"),
+    out: Annotated[Path, typer.Option(help="JSONL file the trajectories are appended to.")] = Path(
+        "trajectories.jsonl"),
+    groups: Annotated[int, typer.Option(help="Groups (tasks x rollout.group_size samples) to run.")] = 8,
+    split: Annotated[str, typer.Option(help="Task split: train or eval.")] = "eval",
 ) -> None:
-    """Generate trajectories only (no training) and write them to a JSONL file."""
-    _load(config, overrides)
-    not_yet("rollout", "the rollout scheduler", 5)
+    """Generate trajectories only (no training): against engine.urls, or embedded engines it starts."""
+    from slime_async.env import EnvLoadError
+    from slime_async.rollout.run import rollout_to_file
+
+    cfg = _load(config, overrides)
+    if split not in ("train", "eval"):
+        fail(f"--split: got {split!r}; expected 'train' or 'eval'")
+    if groups < 1:
+        fail(f"--groups: got {groups}; expected at least 1")
+    from slime_async.config.model_dir import resolve_model_path
+
+    try:
+        stats = rollout_to_file(cfg, resolve_model_path(cfg.model.path), out, groups, split, console)
+    except EnvLoadError as exc:
+        fail(str(exc))
+    console.print(f"wrote {stats.sent} trajectories to {out}; dropped {dict(stats.dropped) or 'none'}")
 
 
 @app.command()

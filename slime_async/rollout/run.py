@@ -1,0 +1,93 @@
+"""`slime-async rollout`: the rollout side alone, against running or embedded engines, into a JSONL file."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from slime_async.config import Config
+from slime_async.engine.process import EngineProcess, start_engine
+from slime_async.env import EnvFactory, Sampling
+from slime_async.rollout.client import SGLangClient
+from slime_async.rollout.scheduler import RolloutStats, Scheduler
+from slime_async.rollout.sinks import JsonlSink
+
+
+def start_embedded_engines(cfg: Config, model_dir: Path) -> list[EngineProcess]:
+    """`engine.num_engines` embedded engine processes on `model_dir`, as the config describes them."""
+    args = ["--device", cfg.model.device, "--dtype", cfg.model.dtype,
+            "--max-batch-size", str(cfg.engine.max_batch_size), "--seed", str(cfg.run.seed)]
+    procs: list[EngineProcess] = []
+    try:
+        for _ in range(cfg.engine.num_engines):
+            procs.append(start_engine(model_dir, *args))
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs
+
+
+def rollout_to_file(cfg: Config, model_dir: Path, out: Path, groups: int, split: str,
+                    console: Console | None = None) -> RolloutStats:
+    """Run `groups` groups of the configured env and write every kept trajectory to `out`."""
+    return asyncio.run(_rollout(cfg, model_dir, out, groups, split, console or Console()))
+
+
+async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: str, console: Console) -> RolloutStats:
+    from transformers import AutoTokenizer
+
+    factory = EnvFactory.from_config(cfg.env.name, cfg.env.args)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    engines: list[EngineProcess] = []
+    urls = list(cfg.engine.urls)
+    if not urls:
+        with console.status(f"starting {cfg.engine.num_engines} embedded engine(s) on {model_dir} ..."):
+            engines = await asyncio.to_thread(start_embedded_engines, cfg, model_dir)
+        urls = [e.url for e in engines]
+    sink = JsonlSink(out)
+    r = cfg.rollout
+    try:
+        async with SGLangClient(urls) as client:
+            scheduler = Scheduler(
+                factory, factory.tasks(split), client, tokenizer, sink,  # type: ignore[arg-type]
+                group_size=r.group_size, batch_size=r.batch_size, max_staleness=r.max_staleness,
+                # evaluation and data generation keep every group: filtering is for training
+                max_concurrency=r.max_concurrency, filter_equal_rewards=False,
+                sampling=Sampling(temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
+                                  max_new_tokens=r.sampling.max_new_tokens),
+            )
+            # Rollout alone never trains, so nothing would ever raise the version: lift the bound.
+            scheduler.budget.max_staleness = 1 << 30
+            with Live(_table(scheduler.stats, groups, out), console=console, refresh_per_second=2) as live:
+                run = asyncio.ensure_future(scheduler.run(num_groups=groups))
+                while not run.done():
+                    await asyncio.wait({run}, timeout=0.5)
+                    live.update(_table(scheduler.stats, groups, out))
+                stats = run.result()
+            console.print()
+    finally:
+        await sink.close()
+        for e in engines:
+            e.stop()
+    return stats
+
+
+def _table(stats: RolloutStats, groups: int, out: Path) -> Table:
+    s: dict[str, Any] = stats.summary()
+    table = Table(title=f"rollout -> {out}", show_header=False)
+    done = s["groups_sent"] + sum(s["groups_dropped"].values())
+    table.add_row("groups", f"{done} / {groups} ({s['groups_sent']} written, dropped: {s['groups_dropped'] or 0})")
+    table.add_row("episodes", f"{s['episodes']} ({s['episodes_per_s']:.1f}/s), turns {s['turns_per_s']:.1f}/s")
+    table.add_row("tokens/s", f"{s['tokens_per_s']:.0f}")
+    table.add_row("mean reward", f"{s['mean_reward']:.3f}")
+    table.add_row("stop reasons", ", ".join(f"{k} {v}" for k, v in sorted(s["stop_reasons"].items())) or "-")
+    table.add_row("elapsed", f"{time.monotonic() - stats.started_at:.1f} s")
+    return table
+
