@@ -88,13 +88,19 @@ def test_kill9_buffer_mid_stream_loses_nothing_acked_and_delivers_nothing_twice(
     acked_before_kill: set[str] = set()
 
     def kill_and_restart(received: int) -> None:
-        if not restarted and received >= 120:
+        if not restarted and received >= 32:  # no sender can be done: 32 + capacity + credits < 160
             acked_before_kill.update(i for s in senders for i in s.acked())
             server.kill9()
             restarted.append(start_server(cfg)[0])
 
     try:
         with BufferClient(endpoint, retry_s=0.2) as client:
+            # All three connected before the trainer takes anything: until the kill, the buffer then
+            # holds at most 32 taken + 48 capacity + 3 * 8 credits < 160, so no sender can be done.
+            deadline = time.monotonic() + 30
+            while client.metrics()["peers"] < 3:
+                assert time.monotonic() < deadline, "the senders never connected"
+                time.sleep(0.05)
             client.set_version(0, restarted=True)
             ids = drain(client, total, 16, 90, on_batch=kill_and_restart)
             for s in senders:
