@@ -109,6 +109,7 @@ class BufferServer:
         self._timed_out: deque[int] = deque(maxlen=1024)
         self.rejected: Counter[str] = Counter()
         self.peers_expired = 0
+        self.sessions = 0
         self._closed = False
 
     # -- loop -------------------------------------------------------------------------------------
@@ -211,6 +212,7 @@ class BufferServer:
                 "run the same slime_async version on both sides",
             )
         self._peers[ident] = _Peer(hello.sender, session, last_seen=time.monotonic())
+        self.sessions += 1
 
     def _on_get(self, ident: bytes, req: p.GetBatch) -> None:
         for w in self._waiting:
@@ -268,6 +270,7 @@ class BufferServer:
             out[f"rejected_{reason.value}"] = self.rejected.get(reason.value, 0)
         out["peers"] = len(self._peers)
         out["peers_expired"] = self.peers_expired
+        out["sessions"] = self.sessions
         return out
 
     def close(self) -> None:

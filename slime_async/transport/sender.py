@@ -140,12 +140,23 @@ class AsyncSender(_SenderBase):
             self._sock.close(linger=0)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._setup_socket(self._sock)
-        await self._sock.send_multipart(self.core.new_session(time.monotonic()))
+        await self._send(self.core.new_session(time.monotonic()))
+
+    async def _send(self, msg: list[bytes]) -> bool:
+        # Never block on the socket: with no connected peer (server down, handshake refused) zmq
+        # would wait forever. A refused control message is simply sent again by the protocol later.
+        assert self._sock is not None
+        try:
+            await self._sock.send_multipart(msg, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
 
     async def _pump(self) -> None:
-        assert self._sock is not None
         while (msg := self.core.next_data()) is not None:
-            await self._sock.send_multipart(msg, copy=False)
+            if not await self._send(msg):
+                self.core.not_sent(msg)
+                return
 
     async def _run(self) -> None:
         assert self._changed is not None
@@ -161,13 +172,13 @@ class AsyncSender(_SenderBase):
                         break
                     reply = self.core.on_message(frames, time.monotonic())
                     if reply is not None:
-                        await sock.send_multipart(reply)
+                        await self._send(reply)
             now = time.monotonic()
             if self.core.server_dead(now):
                 self.core.stats.reconnects += 1
                 await self._open()
             elif self.core.ping_due(now):
-                await sock.send_multipart(self.core.ping())
+                await self._send(self.core.ping())
             await self._pump()
             async with self._changed:
                 self._changed.notify_all()
@@ -195,7 +206,7 @@ class SyncSender(_SenderBase):
     def send(self, trajectory: Trajectory, timeout: float | None = None) -> None:
         """Queue `trajectory`, waiting (up to `timeout`, else forever) for a credit."""
         frame = self._encode(trajectory)
-        self._wait(self.core.can_enqueue, timeout, "a credit from the buffer")
+        self._wait(self.core.can_enqueue, timeout, "a credit from the buffer (is it full, or down?)")
         self.core.enqueue(trajectory.id, frame)
         self._pump()
 
@@ -224,7 +235,7 @@ class SyncSender(_SenderBase):
         while not predicate():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise TimeoutError(f"sender {self.core.name}: no {what} within {timeout} s ({self.endpoint})")
+                raise TimeoutError(f"sender {self.core.name}: {what} did not come within {timeout} s ({self.endpoint})")
             self._step(left)
 
     def _open(self) -> None:
@@ -232,12 +243,21 @@ class SyncSender(_SenderBase):
             self._sock.close(linger=0)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._setup_socket(self._sock)
-        self._sock.send_multipart(self.core.new_session(time.monotonic()))
+        self._send(self.core.new_session(time.monotonic()))
+
+    def _send(self, msg: list[bytes]) -> bool:
+        assert self._sock is not None
+        try:  # never block: see AsyncSender._send
+            self._sock.send_multipart(msg, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
 
     def _pump(self) -> None:
-        assert self._sock is not None
         while (msg := self.core.next_data()) is not None:
-            self._sock.send_multipart(msg, copy=False)
+            if not self._send(msg):
+                self.core.not_sent(msg)
+                return
 
     def _step(self, max_wait: float | None) -> None:
         sock = self._sock
@@ -252,11 +272,11 @@ class SyncSender(_SenderBase):
                     break
                 reply = self.core.on_message(frames, time.monotonic())
                 if reply is not None:
-                    sock.send_multipart(reply)
+                    self._send(reply)
         now = time.monotonic()
         if self.core.server_dead(now):
             self.core.stats.reconnects += 1
             self._open()
         elif self.core.ping_due(now):
-            sock.send_multipart(self.core.ping())
+            self._send(self.core.ping())
         self._pump()

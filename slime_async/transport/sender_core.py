@@ -120,6 +120,12 @@ class SenderCore:
             return [p.DATA, p.pack_u64(self.session), p.pack_u64(seq), item[1]]
         return None
 
+    def not_sent(self, msg: list[bytes]) -> None:
+        """The socket refused `msg` (from `next_data`; no connected peer): it goes back to the front."""
+        self.queue.appendleft(p.unpack_u64(msg[2], "seq"))
+        self.sent_in_session -= 1
+        self.stats.sent -= 1
+
     def all_acked(self) -> bool:
         return not self.unacked
 

@@ -8,7 +8,7 @@ import pytest
 from transport_helpers import RawPeer, make_trajectory, server_thread
 
 from slime_async.buffer import BufferClient
-from slime_async.transport import AsyncSender, RejectReason, Rejected, decode_trajectory
+from slime_async.transport import AsyncSender, Rejected, RejectReason, decode_trajectory
 from slime_async.types import to_msgpack
 
 
@@ -34,7 +34,7 @@ def test_decoder_names_each_reason() -> None:
         with pytest.raises(Rejected) as info:
             decode_trajectory(frame, max_bytes=20_000)
         assert info.value.reason == RejectReason(reason), (reason, info.value)
-    with pytest.raises(Rejected, match="at `\\$.turns\\[0\\]`"):
+    with pytest.raises(Rejected, match=r"at `\$.turns\[0\]`"):
         decode_trajectory(_inconsistent_frame(), max_bytes=20_000)  # the error names the place
 
 
@@ -98,5 +98,5 @@ async def test_async_sender_learns_of_rejections_and_oversize_fails_locally() ->
             await sender.flush(10)
             assert sender.stats.acked == 1 and sender.stats.nacked_by_reason == {"schema_version": 1}
             assert sender.core.nack_log[0][0] == bad.id
-            with pytest.raises(ValueError, match="t3: frame of .* exceeds max_frame_bytes"):
+            with pytest.raises(ValueError, match=r"t3: frame of .* exceeds max_frame_bytes"):
                 await sender.send(make_trajectory(3, tokens=4096))
