@@ -69,6 +69,8 @@ class Counters:
     received: int = 0
     trained: int = 0
     duplicates: int = 0
+    """Redeliveries of ids seen before, by this process since it started (not kept in the WAL: they
+    change nothing)."""
     partial_groups: int = 0
     """Groups released by the timeout with fewer than `group_size` trajectories."""
     dropped: Counter[str] = field(default_factory=Counter)
@@ -94,7 +96,6 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     version: int
     received: int
     trained: int
-    duplicates: int
     partial_groups: int
     dropped: dict[str, int]
     seen: list[str]
@@ -309,7 +310,7 @@ class Buffer:
             return
         c = self.counters
         snap = _Snapshot(
-            version=self.version, received=c.received, trained=c.trained, duplicates=c.duplicates,
+            version=self.version, received=c.received, trained=c.trained,
             partial_groups=c.partial_groups, dropped=dict(c.dropped), seen=list(self._seen),
             released=list(self._released), pending=[p.trajectories for p in self._pending.values()],
             ready=list(self._ready.values()),
@@ -323,7 +324,7 @@ class Buffer:
     def _load_snapshot(self, snap: _Snapshot) -> None:
         self.version = snap.version
         self.counters = Counters(
-            snap.received, snap.trained, snap.duplicates, snap.partial_groups, Counter(snap.dropped)
+            snap.received, snap.trained, self.counters.duplicates, snap.partial_groups, Counter(snap.dropped)
         )
         self._seen = set(snap.seen)
         self._released = set(snap.released)
