@@ -24,6 +24,7 @@ directory after a crash rebuilds the same state.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -138,7 +139,13 @@ class Buffer:
         self._pending: dict[str, _Pending] = {}
         self._ready: OrderedDict[str, Group] = OrderedDict()
         self._delivered: dict[int, Batch] = {}
+        self._min_version: dict[str, int | None] = {}
+        """Oldest token version of each ready or delivered group, computed once at release (hot path)."""
+        self._n = Counter[str]()
+        """Trajectories in each place (pending, ready, delivered), kept as they move: metrics are O(1)."""
         self._trained_since_compaction = 0
+        self._ready_floor: int | None = None
+        """Oldest token version among ready groups (None: unknown, scan); lowered as groups arrive."""
         self._replaying = False
 
     # -- construction from disk ------------------------------------------------------------------
@@ -197,6 +204,7 @@ class Buffer:
         if pending is None:
             pending = self._pending[gid] = _Pending([], time.monotonic() if now is None else now)
         pending.trajectories.append(trajectory)
+        self._n["pending"] += 1
         if len(pending.trajectories) >= self.group_size:
             self._release(gid, partial=False)
         return True
@@ -226,22 +234,37 @@ class Buffer:
             return
         self._released.add(gid)
         trajs = sorted(pending.trajectories, key=lambda t: t.sample_index)
+        self._n["pending"] -= len(trajs)
         if partial:
             self.counters.partial_groups += 1
         group = Group(group_id=gid, task_id=trajs[0].task_id, trajectories=trajs)
+        self._min_version[gid] = group_min_version(group)
         if self._is_stale(group):
             self._drop(trajs, STALE)
+            del self._min_version[gid]
         else:
             self._ready[gid] = group
+            self._n["ready"] += len(trajs)
+            v = self._min_version[gid]
+            if self._ready_floor is not None and v is not None:
+                self._ready_floor = min(self._ready_floor, v)
 
     # -- staleness -------------------------------------------------------------------------------
     def _is_stale(self, group: Group) -> bool:
-        oldest = group_min_version(group)
+        oldest = self._min_version[group.group_id]
         return oldest is not None and self.version - oldest > self.max_staleness
 
     def _evict_stale(self) -> None:
+        floor = self.version - self.max_staleness  # stale: oldest version below this
+        if self._ready_floor is not None and self._ready_floor >= floor:
+            return  # nothing ready is that old: skip the scan (get_batch calls this on every request)
         for gid in [gid for gid, g in self._ready.items() if self._is_stale(g)]:
-            self._drop(self._ready.pop(gid).trajectories, STALE)
+            group = self._ready.pop(gid)
+            del self._min_version[gid]
+            self._n["ready"] -= len(group.trajectories)
+            self._drop(group.trajectories, STALE)
+        versions = [v for gid in self._ready if (v := self._min_version[gid]) is not None]
+        self._ready_floor = min(versions, default=sys.maxsize)
 
     def _drop(self, trajs: list[Trajectory], reason: str) -> None:
         self.counters.dropped[reason] += len(trajs)
@@ -250,7 +273,7 @@ class Buffer:
 
     # -- trainer side ----------------------------------------------------------------------------
     def ready_trajectories(self) -> int:
-        return sum(len(g.trajectories) for g in self._ready.values())
+        return self._n["ready"]
 
     def get_batch(self, num_trajectories: int, batch_id: int) -> Batch | None:
         """Hand out whole ready groups, at least `num_trajectories` trajectories in all (overshooting
@@ -279,6 +302,8 @@ class Buffer:
     def _deliver(self, batch_id: int, version: int, group_ids: list[str]) -> Batch:
         batch = Batch(batch_id, version, [self._ready.pop(gid) for gid in group_ids])
         self._delivered[batch_id] = batch
+        self._n["ready"] -= batch.num_trajectories
+        self._n["delivered"] += batch.num_trajectories
         return batch
 
     def set_version(self, version: int, trained: list[int] | tuple[int, ...] = (), restarted: bool = False) -> None:
@@ -291,6 +316,9 @@ class Buffer:
         for batch_id in trained:
             batch = self._delivered.pop(batch_id, None)
             if batch is not None:
+                self._n["delivered"] -= batch.num_trajectories
+                for g in batch.groups:
+                    self._min_version.pop(g.group_id, None)
                 self.counters.trained += batch.num_trajectories
                 self._trained_since_compaction += batch.num_trajectories
         if restarted:
@@ -298,6 +326,10 @@ class Buffer:
             self._delivered.clear()
             rest = list(self._ready.items())
             self._ready = OrderedDict([(g.group_id, g) for g in back] + rest)
+            moved = sum(len(g.trajectories) for g in back)
+            self._n["delivered"] -= moved
+            self._n["ready"] += moved
+            self._ready_floor = None
         self.version = version
         self._evict_stale()
         if not self._replaying and self.wal is not None and self._trained_since_compaction >= self.compact_every:
@@ -332,6 +364,14 @@ class Buffer:
         self._pending = {ts[0].group_id: _Pending(ts, now) for ts in snap.pending if ts}
         self._ready = OrderedDict((g.group_id, g) for g in snap.ready)
         self._delivered = {b: Batch(b, v, gs) for b, v, gs in snap.delivered}
+        groups = [*self._ready.values(), *(g for b in self._delivered.values() for g in b.groups)]
+        self._min_version = {g.group_id: group_min_version(g) for g in groups}
+        self._n = Counter(
+            pending=sum(len(p.trajectories) for p in self._pending.values()),
+            ready=sum(len(g.trajectories) for g in self._ready.values()),
+            delivered=sum(b.num_trajectories for b in self._delivered.values()),
+        )
+        self._ready_floor = None
 
     def commit(self) -> None:
         """Make every state change so far durable; call before acking or replying."""
@@ -350,9 +390,9 @@ class Buffer:
             "version": self.version,
             "received": c.received,
             "trained": c.trained,
-            "pending": sum(len(p.trajectories) for p in self._pending.values()),
-            "ready": self.ready_trajectories(),
-            "delivered": sum(b.num_trajectories for b in self._delivered.values()),
+            "pending": self._n["pending"],
+            "ready": self._n["ready"],
+            "delivered": self._n["delivered"],
             "dropped_total": sum(c.dropped.values()),
             "duplicates": c.duplicates,
             "partial_groups": c.partial_groups,
@@ -368,3 +408,10 @@ class Buffer:
         m = self.metrics()
         if m["received"] != m["trained"] + m["buffered"] + m["dropped_total"]:
             raise AccountingError(f"buffer accounting broken: {m}")
+        counted = (
+            sum(len(p.trajectories) for p in self._pending.values()),
+            sum(len(g.trajectories) for g in self._ready.values()),
+            sum(b.num_trajectories for b in self._delivered.values()),
+        )
+        if counted != (m["pending"], m["ready"], m["delivered"]):
+            raise AccountingError(f"buffer gauges disagree with its contents {counted}: {m}")

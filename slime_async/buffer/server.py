@@ -1,6 +1,6 @@
 """The buffer server: one ROUTER socket in front of a `Buffer`, for senders and the trainer's client.
 
-It runs in its own process (`python -m slime_async.buffer.server SETTINGS_JSON`, which prints
+It runs in its own process (`python -m slime_async.buffer SETTINGS_JSON`, which prints
 `READY <endpoint>` once bound) or in any thread that calls `serve()`. One loop, no locks:
 
     drain messages -> decode, de-duplicate, store (WAL) -> commit the WAL -> ack / nack
@@ -290,10 +290,10 @@ def _frame(frames: list[zmq.Frame], index: int, what: str) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m slime_async.buffer.server SETTINGS_JSON`: serve until SIGTERM or SIGINT."""
+    """`python -m slime_async.buffer SETTINGS_JSON`: serve until SIGTERM or SIGINT."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        sys.exit("usage: python -m slime_async.buffer.server SETTINGS_JSON (a ServerSettings as JSON)")
+        sys.exit("usage: python -m slime_async.buffer SETTINGS_JSON (a ServerSettings as JSON)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = msgspec.json.decode(args[0], type=ServerSettings)
     server = BufferServer(settings)
@@ -305,8 +305,3 @@ def main(argv: list[str] | None = None) -> None:
         server.serve(stop)
     finally:
         server.close()
-
-
-if __name__ == "__main__":
-    main()
-

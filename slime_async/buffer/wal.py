@@ -24,6 +24,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<IIB")
+_IOV_MAX = 1024  # buffers per writev (Linux's limit)
 WAL_FILE = "buffer.wal"
 
 
@@ -52,12 +53,13 @@ class WriteAheadLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / WAL_FILE
         self.fsync = fsync
-        self._file = open(self.path, "ab")  # noqa: SIM115 (kept open for the server's lifetime)
-        self._dirty = False
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._pending: list[bytes | memoryview] = []
+        """Headers and payloads appended since the last commit, written by one writev per commit."""
 
     @property
     def size_bytes(self) -> int:
-        return self._file.tell()
+        return os.fstat(self._fd).st_size
 
     def replay(self) -> Iterator[tuple[RecordType, bytes]]:
         """Yield every record in the file, cutting off a torn last record."""
@@ -86,23 +88,26 @@ class WriteAheadLog:
             "%s: the last %d bytes are a record cut short by a crash (never acknowledged); removing them",
             self.path, size - offset,
         )
-        self._file.close()
         os.truncate(self.path, offset)
-        self._file = open(self.path, "ab")  # noqa: SIM115
 
     def append(self, rtype: RecordType, payload: bytes | memoryview) -> None:
-        self._file.write(_HEADER.pack(len(payload), zlib.crc32(payload), rtype))
-        self._file.write(payload)
-        self._dirty = True
+        """Queue a record; it is written at the next `commit` (the payload must stay unchanged until then)."""
+        self._pending.append(_HEADER.pack(len(payload), zlib.crc32(payload), rtype))
+        self._pending.append(payload)
 
     def commit(self) -> None:
         """Hand appended records to the OS (they survive a kill -9), and fsync if configured."""
-        if not self._dirty:
+        if not self._pending:
             return
-        self._file.flush()
+        pending, self._pending = self._pending, []
+        for start in range(0, len(pending), _IOV_MAX):
+            chunk = pending[start : start + _IOV_MAX]
+            want = sum(len(b) for b in chunk)
+            done = os.writev(self._fd, chunk)
+            if done != want:  # a short write (disk full, signal): finish it buffer by buffer
+                _write_rest(self._fd, chunk, done)
         if self.fsync:
-            os.fsync(self._file.fileno())
-        self._dirty = False
+            os.fsync(self._fd)
 
     def rewrite(self, records: Iterable[tuple[RecordType, bytes]]) -> None:
         """Replace the whole log by `records` atomically (compaction)."""
@@ -113,16 +118,28 @@ class WriteAheadLog:
                 f.write(payload)
             f.flush()
             os.fsync(f.fileno())
-        self._file.close()
+        self._pending = []
+        os.close(self._fd)
         os.replace(tmp, self.path)
         dir_fd = os.open(self.dir, os.O_RDONLY)
         try:
             os.fsync(dir_fd)  # the rename itself must survive a crash
         finally:
             os.close(dir_fd)
-        self._file = open(self.path, "ab")  # noqa: SIM115
-        self._dirty = False
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def close(self) -> None:
         self.commit()
-        self._file.close()
+        os.close(self._fd)
+
+
+def _write_rest(fd: int, chunk: list[bytes | memoryview], done: int) -> None:
+    for buf in chunk:
+        view = memoryview(buf)
+        if done >= len(view):
+            done -= len(view)
+            continue
+        view = view[done:]
+        done = 0
+        while view:
+            view = view[os.write(fd, view) :]

@@ -83,8 +83,8 @@ class Proc:
 
 
 def start_server(settings: ServerSettings, timeout: float = 30.0) -> tuple[Proc, str]:
-    """Start `python -m slime_async.buffer.server`; return it and the endpoint it bound."""
-    proc = Proc([sys.executable, "-m", "slime_async.buffer.server", msgspec.json.encode(settings).decode()])
+    """Start `python -m slime_async.buffer`; return it and the endpoint it bound."""
+    proc = Proc([sys.executable, "-m", "slime_async.buffer", msgspec.json.encode(settings).decode()])
     proc.wait_for(lambda: any(line.startswith("READY ") for line in proc.lines) or proc.popen.poll() is not None,
                   timeout, "the buffer server to bind")
     ready = [line for line in proc.lines if line.startswith("READY ")]

@@ -156,6 +156,7 @@ def test_compaction_keeps_state_and_shrinks_the_log(tmp_path: Path) -> None:
         buf.add(traj(f"g{k}", 0, tokens=500))
     for k in range(50):
         assert buf.get_batch(1, batch_id=k) is not None
+    buf.commit()
     size_before = (tmp_path / WAL_FILE).stat().st_size
     buf.set_version(1, trained=list(range(50)))  # reaches compact_every: the log is rewritten
     buf.commit()

@@ -1,7 +1,7 @@
 """End to end over real sockets and real processes: senders -> buffer server process -> trainer client.
 
 The trainer is this test process (a `BufferClient`); senders are `sender_main.py` processes; the
-buffer is `python -m slime_async.buffer.server`. The promises checked: every acked trajectory reaches
+buffer is `python -m slime_async.buffer`. The promises checked: every acked trajectory reaches
 the trainer exactly once, across a kill -9 of the buffer and of a sender, and the accounting
 received == trained + buffered + dropped holds.
 """
