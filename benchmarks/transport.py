@@ -113,7 +113,9 @@ def _run_zmq(senders: int, seconds: float, wal: bool) -> dict[str, float]:
             ctx = mp.get_context("spawn")
             out = ctx.Queue()
             start_at = time.monotonic() + 1.5  # after every sender process has started and connected
-            procs = [ctx.Process(target=_zmq_sender, args=(endpoint, i, start_at, seconds, out)) for i in range(senders)]
+            procs = [
+                ctx.Process(target=_zmq_sender, args=(endpoint, i, start_at, seconds, out)) for i in range(senders)
+            ]
             for proc in procs:
                 proc.start()
             results = [out.get(timeout=seconds + 180) for _ in procs]

@@ -55,6 +55,9 @@ class BufferClient:
         self._sock.connect(endpoint)
         self._unreported: list[int] = []
         """Batch ids received and not yet reported trained."""
+        self._returned: list[int] = []
+        """Batch ids that arrived after their request was given up: handed back at the next set_version."""
+        self._given_up: set[int] = set()
 
     def get_batch(self, num_trajectories: int, timeout: float) -> Batch:
         """Block until the buffer hands out >= `num_trajectories` trajectories in whole groups.
@@ -63,7 +66,11 @@ class BufferClient:
         request_id = _new_request_id()
         body = p.encode(p.GetBatch(request_id=request_id, num_trajectories=num_trajectories, timeout_s=timeout))
         # The server answers TIMEOUT itself at `timeout`; our own deadline only covers a dead server.
-        kind, frames = self._request([p.GET, body], request_id, timeout + 2 * self.retry_s + 5.0)
+        try:
+            kind, frames = self._request([p.GET, body], request_id, timeout + 2 * self.retry_s + 5.0)
+        except TimeoutError:
+            self._given_up.add(request_id)  # if its batch still comes, it is handed back, not lost
+            raise
         if kind == p.TIMEOUT:
             raise TimeoutError(f"buffer at {self.endpoint}: fewer than {num_trajectories} ready within {timeout} s")
         reply = from_msgpack(frames[0], p.BatchReply)
@@ -80,9 +87,13 @@ class BufferClient:
         handed out but never reported back into the buffer."""
         report = list(self._unreported) if trained is None else list(trained)
         request_id = _new_request_id()
-        body = p.encode(p.SetVersion(request_id=request_id, version=version, trained=report, restarted=restarted))
+        returned = list(self._returned)
+        body = p.encode(p.SetVersion(
+            request_id=request_id, version=version, trained=report, restarted=restarted, returned=returned
+        ))
         self._request([p.VERSION, body], request_id, timeout)
         self._unreported = [b for b in self._unreported if b not in set(report)]
+        self._returned = [b for b in self._returned if b not in set(returned)]
 
     def metrics(self, timeout: float = 10.0) -> dict[str, int]:
         """The server's counters: received, trained, buffered, dropped_*, rejected_*, peers..."""
@@ -109,9 +120,14 @@ class BufferClient:
                 raise TimeoutError(f"buffer at {self.endpoint} did not answer within {timeout:.1f} s; is it running?")
             if self._sock.poll(max(1, int((min(deadline, resend_at) - now) * 1000)), zmq.POLLIN):
                 frames = self._sock.recv_multipart()
-                if len(frames) >= 2 and len(frames[1]) == 8 and p.unpack_u64(frames[1], "request id") == request_id:
-                    return frames[0], frames[2:]
-                continue  # an answer to an earlier, abandoned request
+                if len(frames) >= 2 and len(frames[1]) == 8:
+                    answered = p.unpack_u64(frames[1], "request id")
+                    if answered == request_id:
+                        return frames[0], frames[2:]
+                    if frames[0] == p.BATCH and answered in self._given_up:
+                        self._given_up.discard(answered)
+                        self._returned.append(answered)  # a batch we stopped waiting for: hand it back
+                continue
             if time.monotonic() >= resend_at:
                 self._sock.send_multipart(msg)  # the buffer may have restarted and lost it
                 resend_at = time.monotonic() + self.retry_s

@@ -91,6 +91,7 @@ class _Version(msgspec.Struct, array_like=True):
     version: int
     trained: list[int]
     restarted: bool
+    returned: list[int] = []
 
 
 class _Snapshot(msgspec.Struct, kw_only=True):
@@ -179,7 +180,7 @@ class Buffer:
             self._deliver(d.batch_id, d.version, d.group_ids)
         elif rtype == RecordType.VERSION:
             v = msgspec.msgpack.decode(payload, type=_Version)
-            self.set_version(v.version, trained=v.trained, restarted=v.restarted)
+            self.set_version(v.version, trained=v.trained, restarted=v.restarted, returned=v.returned)
         elif rtype == RecordType.SNAPSHOT:
             self._load_snapshot(from_msgpack(payload, _Snapshot))
 
@@ -306,13 +307,21 @@ class Buffer:
         self._n["delivered"] += batch.num_trajectories
         return batch
 
-    def set_version(self, version: int, trained: list[int] | tuple[int, ...] = (), restarted: bool = False) -> None:
+    def set_version(
+        self,
+        version: int,
+        trained: list[int] | tuple[int, ...] = (),
+        restarted: bool = False,
+        returned: list[int] | tuple[int, ...] = (),
+    ) -> None:
         """The trainer is now at `version` and has trained the batches `trained`.
 
-        With `restarted`, the trainer came back from a checkpoint: every other delivered batch goes
-        back to the front of the ready queue (it was never trained), and is checked for staleness again.
+        Batches in `returned` (handed out, never trained) go back to the front of the ready queue;
+        with `restarted` (the trainer came back from a checkpoint) so does every delivered batch not
+        in `trained`. Either way they are checked for staleness again.
         """
-        self._log(RecordType.VERSION, msgspec.msgpack.encode(_Version(version, list(trained), restarted)))
+        record = _Version(version, list(trained), restarted, list(returned))
+        self._log(RecordType.VERSION, msgspec.msgpack.encode(record))
         for batch_id in trained:
             batch = self._delivered.pop(batch_id, None)
             if batch is not None:
@@ -321,9 +330,9 @@ class Buffer:
                     self._min_version.pop(g.group_id, None)
                 self.counters.trained += batch.num_trajectories
                 self._trained_since_compaction += batch.num_trajectories
-        if restarted:
-            back = [g for b in self._delivered.values() for g in b.groups]
-            self._delivered.clear()
+        going_back = list(self._delivered) if restarted else [b for b in returned if b in self._delivered]
+        if going_back:
+            back = [g for b in going_back for g in self._delivered.pop(b).groups]
             rest = list(self._ready.items())
             self._ready = OrderedDict([(g.group_id, g) for g in back] + rest)
             moved = sum(len(g.trajectories) for g in back)

@@ -165,7 +165,9 @@ class BufferServer:
                 self._on_get(ident, msgspec.msgpack.decode(_frame(frames, 2, "GET body"), type=p.GetBatch))
             elif kind == p.VERSION:
                 req = msgspec.msgpack.decode(_frame(frames, 2, "VERSION body"), type=p.SetVersion)
-                self.buffer.set_version(req.version, trained=req.trained, restarted=req.restarted)
+                self.buffer.set_version(
+                    req.version, trained=req.trained, restarted=req.restarted, returned=req.returned
+                )
                 self.buffer.commit()
                 out.append([ident, p.OK, p.pack_u64(req.request_id)])
             elif kind == p.METRICS:

@@ -102,6 +102,9 @@ class SetVersion(msgspec.Struct, kw_only=True):
     version: int
     trained: list[int] = []
     """Batch ids the trainer has trained on; they leave the buffer (and, at compaction, the WAL)."""
+    returned: list[int] = []
+    """Batch ids that reached the client after it stopped waiting for them (a late answer): never
+    trained, so they go back to the front of the buffer."""
     restarted: bool = False
     """The trainer restarted from a checkpoint: batches handed out and not reported trained go back
     to the buffer to be handed out again."""

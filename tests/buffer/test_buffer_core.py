@@ -122,6 +122,9 @@ def test_trained_batches_leave_and_a_restarted_trainer_gets_untrained_ones_back(
     again = buf.get_batch(1, batch_id=3)
     assert again is not None and ids(again) == ids(b2)
     assert balanced(buf)["trained"] == 1
+    buf.set_version(1, returned=[3])  # reached the client too late to be trained: handed back
+    assert ids(buf.get_batch(1, batch_id=4)) == ids(b2)
+    assert balanced(buf)["delivered"] == 1
 
 
 def test_wal_restores_everything_acked_and_not_trained(tmp_path: Path) -> None:
