@@ -21,17 +21,18 @@ from slime_async.config.schema import BufferConfig
 GROUP = 4
 
 
-def settings(endpoint: str, wal_dir: Path | None, **buffer: object) -> ServerSettings:
+def settings(endpoint: str, wal_dir: Path | None, max_staleness: int = 10**6, **buffer: object) -> ServerSettings:
     cfg = BufferConfig(endpoint=endpoint, heartbeat_s=0.2, heartbeat_timeout_s=1.0, **buffer)  # type: ignore[arg-type]
     return ServerSettings(
-        buffer=cfg, group_size=GROUP, max_staleness=10**6, wal_dir=str(wal_dir) if wal_dir else None
+        buffer=cfg, group_size=GROUP, max_staleness=max_staleness, wal_dir=str(wal_dir) if wal_dir else None
     )
 
 
-def drain(client: BufferClient, expected: int, batch: int, deadline_s: float, on_batch=None) -> list[str]:
+def drain(
+    client: BufferClient, expected: int, batch: int, deadline_s: float, on_batch=None, version: int = 0
+) -> list[str]:
     """Take batches until `expected` trajectories came, reporting each trained; return their ids."""
     ids: list[str] = []
-    version = 0
     deadline = time.monotonic() + deadline_s
     while len(ids) < expected:
         assert time.monotonic() < deadline, f"only {len(ids)} of {expected} trajectories reached the trainer"
@@ -144,4 +145,23 @@ def test_kill9_sender_mid_send(tmp_path: Path) -> None:
             assert_accounting(m)
     finally:
         for p in (doomed, steady, server):
+            p.stop()
+
+
+def test_stale_trajectories_never_reach_the_trainer_and_are_counted(tmp_path: Path) -> None:
+    server, endpoint = start_server(settings("tcp://127.0.0.1:0", tmp_path / "wal", max_staleness=2))
+    old = start_sender(endpoint, "old", 40, GROUP, "--version", "0")
+    new = start_sender(endpoint, "new", 40, GROUP, "--version", "3")
+    try:
+        for s in (old, new):
+            s.wait_for(s.done, 30, "the sender to finish")
+        with BufferClient(endpoint, retry_s=0.2) as client:
+            client.set_version(3, restarted=True)  # old: 3 - 0 > 2, new: 3 - 3 = 0
+            ids = drain(client, 40, 40, 30, version=3)
+            assert sorted(ids) == sorted(new.acked())
+            m = client.metrics()
+            assert (m["dropped_stale"], m["trained"], m["buffered"]) == (40, 40, 0), m
+            assert_accounting(m)
+    finally:
+        for p in (old, new, server):
             p.stop()
