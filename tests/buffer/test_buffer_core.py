@@ -192,3 +192,15 @@ def test_torn_tail_is_cut_and_damage_is_an_error(tmp_path: Path) -> None:
     path.write_bytes(bytes(damaged))
     with pytest.raises(WALCorruptError, match=r"damaged record at byte 0.*move the file aside"):
         Buffer.open(tmp_path, group_size=1, max_staleness=1)
+
+
+def test_server_settings_come_from_the_config_tree(tmp_path: Path) -> None:
+    from slime_async.buffer import ServerSettings
+    from slime_async.config import ConfigError, load_config
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=r1", "rollout.group_size=4", "buffer.capacity=16"])
+    s = ServerSettings.from_config(cfg)
+    assert (s.group_size, s.max_staleness, s.buffer.capacity) == (4, cfg.rollout.max_staleness, 16)
+    assert s.wal_dir == str(tmp_path / "r1" / "buffer-wal")
+    with pytest.raises(ConfigError, match=r"buffer\.sender_credits"):
+        load_config(None, ["buffer.sender_credits=0"])
