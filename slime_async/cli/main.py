@@ -228,3 +228,19 @@ def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
 
 def main() -> None:
     app()
+
+
+@app.command()
+@clear_errors
+def keys(
+    out_dir: Annotated[Path, typer.Argument(help="Directory for the key files.", show_default=False)],
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT_DIR's contents.")] = False,
+) -> None:
+    """Make CURVE keys for a non-loopback buffer endpoint (set buffer.curve_dir=OUT_DIR on every side)."""
+    from slime_async.transport.security import generate_keys
+
+    made = generate_keys(out_dir, overwrite=force)
+    console.print(
+        f"wrote CURVE keys to {made.dir}: server.key + server.key_secret (the buffer), "
+        "clients/client.key + clients/client.key_secret (senders and the trainer)"
+    )

@@ -97,11 +97,33 @@ class RolloutConfig(_Section):
 
 class BufferConfig(_Section):
     policy: Literal["fifo", "freshest"] = "fifo"
-    """Which ready groups the trainer gets first."""
+    """Which ready groups the trainer gets first (a custom function is passed in code, not named here)."""
     endpoint: str = "tcp://127.0.0.1:0"
     """ZeroMQ endpoint of the buffer server; port 0 picks a free port. Off loopback needs CURVE."""
     group_timeout_s: PositiveFloat | None = None
     """Release an incomplete group after this long as a smaller group (counted); None waits."""
+    curve_dir: str | None = None
+    """Key directory made by `slime-async keys DIR`; required when `endpoint` is not loopback."""
+    capacity: PositiveInt = 4096
+    """Most trajectories held (pending + ready) before the buffer stops granting credits: senders
+    then wait, they never drop."""
+    sender_credits: PositiveInt = 64
+    """Trajectories one sender may have in flight (sent, not yet acked) while there is room."""
+    max_frame_bytes: PositiveInt = 64 * 2**20
+    """Largest trajectory frame accepted; a larger one is rejected (counted, sender told)."""
+    heartbeat_s: PositiveFloat = 1.0
+    """Seconds between a sender's pings."""
+    heartbeat_timeout_s: PositiveFloat = 5.0
+    """Silence after which a peer counts as dead: the server forgets a sender, a sender reconnects
+    and resends everything unacked."""
+    wal_dir: str | None = "buffer-wal"
+    """Directory of the write-ahead log; relative paths are under the run directory (`run.dir/run.name`).
+    None keeps no log (a restarted buffer starts empty): for benchmarks, never for training."""
+    wal_fsync: bool = False
+    """fsync the log before each ack. Without it, acked trajectories survive the death of the buffer
+    process (the OS has them) but not a power cut or kernel crash; with it, both, at a cost in speed."""
+    compact_every: PositiveInt = 4096
+    """Rewrite the log without trained trajectories after this many have been trained."""
 
 
 class TrainConfig(_Section):

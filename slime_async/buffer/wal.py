@@ -1,0 +1,145 @@
+"""The buffer's write-ahead log: one append-only file of length-prefixed, checksummed records.
+
+Every change of the buffer's state is appended here before anyone is told about it: a trajectory
+before its ack goes to the sender, a delivery before the batch goes to the trainer. A restarted
+buffer replays the file and is back where it was. Compaction rewrites the file as one snapshot
+of what is still live (atomically: a temporary file, fsync, rename), dropping trained trajectories.
+
+Record layout: u32 payload length, u32 crc32 of the payload, u8 record type, payload.
+A record cut short at the end of the file (the process died mid-write) was never acknowledged:
+it is cut off with a warning. A bad checksum before the end means the file is damaged: that is an
+error naming the file and the offset, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<IIB")
+_IOV_MAX = 1024  # buffers per writev (Linux's limit)
+WAL_FILE = "buffer.wal"
+
+
+class RecordType(enum.IntEnum):
+    TRAJECTORY = 1
+    """A received trajectory: its wire frame, exactly as it arrived."""
+    RELEASE = 2
+    """An incomplete group released by the group timeout (a decision replay must not re-make)."""
+    DELIVER = 3
+    """A batch handed to the trainer: batch id, version, group ids."""
+    VERSION = 4
+    """The trainer's version, the batches it reported trained, whether it restarted."""
+    SNAPSHOT = 5
+    """Everything live at compaction time; always the first record of a compacted file."""
+
+
+class WALCorruptError(RuntimeError):
+    """The log is damaged before its end; the message names the file, the offset and the fix."""
+
+
+class WriteAheadLog:
+    """Append records; `commit` makes them survive the process (and, with fsync, the machine)."""
+
+    def __init__(self, directory: str | Path, fsync: bool = False) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / WAL_FILE
+        self.fsync = fsync
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._pending: list[bytes | memoryview] = []
+        """Headers and payloads appended since the last commit, written by one writev per commit."""
+
+    @property
+    def size_bytes(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def replay(self) -> Iterator[tuple[RecordType, bytes]]:
+        """Yield every record in the file, cutting off a torn last record."""
+        data = self.path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            if offset + _HEADER.size > len(data):
+                self._cut_tail(offset, len(data))
+                return
+            length, crc, rtype = _HEADER.unpack_from(data, offset)
+            end = offset + _HEADER.size + length
+            if end > len(data):
+                self._cut_tail(offset, len(data))
+                return
+            payload = data[offset + _HEADER.size : end]
+            if zlib.crc32(payload) != crc or rtype not in RecordType._value2member_map_:
+                raise WALCorruptError(
+                    f"{self.path}: damaged record at byte {offset} (checksum or type mismatch); "
+                    "move the file aside to start an empty buffer, or restore it from a backup"
+                )
+            yield RecordType(rtype), payload
+            offset = end
+
+    def _cut_tail(self, offset: int, size: int) -> None:
+        log.warning(
+            "%s: the last %d bytes are a record cut short by a crash (never acknowledged); removing them",
+            self.path, size - offset,
+        )
+        os.truncate(self.path, offset)
+
+    def append(self, rtype: RecordType, payload: bytes | memoryview) -> None:
+        """Queue a record; it is written at the next `commit` (the payload must stay unchanged until then)."""
+        self._pending.append(_HEADER.pack(len(payload), zlib.crc32(payload), rtype))
+        self._pending.append(payload)
+
+    def commit(self) -> None:
+        """Hand appended records to the OS (they survive a kill -9), and fsync if configured."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        for start in range(0, len(pending), _IOV_MAX):
+            chunk = pending[start : start + _IOV_MAX]
+            want = sum(len(b) for b in chunk)
+            done = os.writev(self._fd, chunk)
+            if done != want:  # a short write (disk full, signal): finish it buffer by buffer
+                _write_rest(self._fd, chunk, done)
+        if self.fsync:
+            os.fsync(self._fd)
+
+    def rewrite(self, records: Iterable[tuple[RecordType, bytes]]) -> None:
+        """Replace the whole log by `records` atomically (compaction)."""
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            for rtype, payload in records:
+                f.write(_HEADER.pack(len(payload), zlib.crc32(payload), rtype))
+                f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        self._pending = []
+        os.close(self._fd)
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself must survive a crash
+        finally:
+            os.close(dir_fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def close(self) -> None:
+        self.commit()
+        os.close(self._fd)
+
+
+def _write_rest(fd: int, chunk: list[bytes | memoryview], done: int) -> None:
+    for buf in chunk:
+        view = memoryview(buf)
+        if done >= len(view):
+            done -= len(view)
+            continue
+        view = view[done:]
+        done = 0
+        while view:
+            view = view[os.write(fd, view) :]

@@ -1,0 +1,118 @@
+"""The messages on the buffer's ZeroMQ socket: what each frame is, who sends it, what it answers.
+
+One ROUTER socket (the buffer server) talks to many DEALER sockets: rollout workers (senders)
+and the trainer's client. Every message is a multipart ZeroMQ message whose first frame names its
+kind; the other frames are raw integers, raw trajectory bytes (`types.to_msgpack`) or small
+msgspec Structs. ROUTER adds the peer's routing id in front; the server reads it as the peer's
+session (a sender that reconnects uses a new one).
+
+Sender -> server                         server -> sender
+  HELLO  u64 session, Hello                GRANT  u64 session, u64 total credits granted
+  DATA   u64 session, u64 seq, frame       ACK    Ack (sequence numbers, batched)
+  PING   u64 session                       NACK   u64 seq, reason (utf-8): the item is rejected
+                                           PONG
+                                           RESET  u64 session: unknown, say HELLO, resend
+
+Trainer client -> server                 server -> trainer client
+  GET      GetBatch                        BATCH    u64 request id, BatchReply
+  VERSION  SetVersion                      TIMEOUT  u64 request id
+  METRICS  u64 request id                  OK       u64 request id
+                                           METRICS  u64 request id, msgpack dict
+
+Credits are absolute ("you may have sent up to N items in this session"), so a lost or repeated
+GRANT never leaves a sender stuck or over its window.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+from slime_async.types import Group
+
+HELLO = b"HELLO"
+DATA = b"DATA"
+PING = b"PING"
+GRANT = b"GRANT"
+ACK = b"ACK"
+NACK = b"NACK"
+PONG = b"PONG"
+RESET = b"RESET"
+GET = b"GET"
+VERSION = b"VERSION"
+METRICS = b"METRICS"
+BATCH = b"BATCH"
+TIMEOUT = b"TIMEOUT"
+OK = b"OK"
+
+PROTOCOL_VERSION = 1
+"""Bumped when a message changes shape; a HELLO from another protocol version is refused."""
+
+_U64 = struct.Struct("<Q")
+
+
+def pack_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def unpack_u64(frame: bytes | memoryview, what: str) -> int:
+    """Read a u64 frame; the error names `what` it should have been."""
+    if len(frame) != _U64.size:
+        raise ValueError(f"{what}: expected {_U64.size} bytes, got {len(frame)}")
+    return _U64.unpack(frame)[0]
+
+
+class Hello(msgspec.Struct, kw_only=True):
+    """A sender's first message on a session."""
+
+    sender: str
+    """Human-readable name of the sender (host:pid, worker index), for logs and metrics."""
+    protocol: int = PROTOCOL_VERSION
+
+
+class Ack(msgspec.Struct, kw_only=True, array_like=True):
+    """Sequence numbers the server has made durable (or already had: duplicates are acked too)."""
+
+    seqs: list[int]
+
+
+class GetBatch(msgspec.Struct, kw_only=True):
+    """The trainer asks for at least `num_trajectories` trajectories, in whole groups."""
+
+    request_id: int
+    """Chosen by the client; a resent request with the same id gets the same batch, never a second one."""
+    num_trajectories: int
+    timeout_s: float
+    """How long the server may wait for enough ready groups before answering TIMEOUT."""
+
+
+class BatchReply(msgspec.Struct, kw_only=True):
+    batch_id: int
+    """Equal to the request id; the trainer reports it back in SetVersion.trained."""
+    version: int
+    """Trainer version at which the batch was handed out (staleness was checked against it)."""
+    groups: list[Group]
+
+
+class SetVersion(msgspec.Struct, kw_only=True):
+    """The trainer's version moved (or the trainer restarted), and which batches it has trained."""
+
+    request_id: int
+    version: int
+    trained: list[int] = []
+    """Batch ids the trainer has trained on; they leave the buffer (and, at compaction, the WAL)."""
+    returned: list[int] = []
+    """Batch ids that reached the client after it stopped waiting for them (a late answer): never
+    trained, so they go back to the front of the buffer."""
+    restarted: bool = False
+    """The trainer restarted from a checkpoint: batches handed out and not reported trained go back
+    to the buffer to be handed out again."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(obj: msgspec.Struct | dict) -> bytes:
+    """Control messages are plain msgpack (no arrays); trajectories go through `types.to_msgpack`."""
+    return _encoder.encode(obj)

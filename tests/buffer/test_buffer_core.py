@@ -1,0 +1,206 @@
+"""The buffer's rules, driven directly: groups, timeouts, staleness, policies, restarts, the WAL."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slime_async.buffer import Buffer, WALCorruptError, freshest
+from slime_async.buffer.wal import WAL_FILE
+from slime_async.types import Group, StopReason, Trajectory, Turn
+
+
+def traj(group: str, index: int, version: int = 0, tokens: int = 6, tid: str | None = None) -> Trajectory:
+    return Trajectory(
+        id=tid or f"{group}-{index}", task_id=f"task-{group}", group_id=group, sample_index=index,
+        stop_reason=StopReason.DONE,
+        turns=[Turn(prompt_ids=np.arange(3), completion_ids=np.arange(tokens), logprobs=np.zeros(tokens, np.float32),
+                    versions=np.full(tokens, version))],
+    )
+
+
+def fill(buf: Buffer, group: str, n: int, version: int = 0, now: float = 0.0) -> None:
+    for i in range(n):
+        buf.add(traj(group, i, version), now=now)
+
+
+def ids(batch) -> list[str]:
+    return [t.id for g in batch.groups for t in g.trajectories]
+
+
+def balanced(buf: Buffer) -> dict[str, int]:
+    m = buf.metrics()
+    buf.check_accounting()
+    return m
+
+
+def test_groups_are_released_only_when_complete() -> None:
+    buf = Buffer(group_size=3, max_staleness=5)
+    fill(buf, "a", 2)
+    fill(buf, "b", 3)
+    assert buf.get_batch(4, batch_id=1) is None  # "a" is incomplete, so only 3 are ready
+    fill(buf, "a", 3)  # a-0 and a-1 again: duplicates; a-2 completes the group
+    batch = buf.get_batch(4, batch_id=2)
+    assert batch is not None and ids(batch) == ["b-0", "b-1", "b-2", "a-0", "a-1", "a-2"]  # whole groups, FIFO
+    m = balanced(buf)
+    assert (m["received"], m["duplicates"], m["delivered"], m["pending"]) == (6, 2, 6, 0)
+
+
+def test_group_timeout_releases_a_smaller_group_and_late_members_are_dropped() -> None:
+    buf = Buffer(group_size=4, max_staleness=5, group_timeout_s=10.0)
+    fill(buf, "a", 2, now=100.0)
+    assert buf.tick(now=109.0) == 0 and buf.next_timeout(now=109.0) == pytest.approx(1.0)
+    assert buf.tick(now=110.0) == 1
+    batch = buf.get_batch(2, batch_id=1)
+    assert batch is not None and ids(batch) == ["a-0", "a-1"]
+    buf.add(traj("a", 2), now=111.0)  # its group has gone: counted, not kept, not lost
+    m = balanced(buf)
+    assert (m["partial_groups"], m["dropped_late"], m["received"]) == (1, 1, 3)
+
+
+def test_staleness_bound_is_never_exceeded_and_drops_are_counted() -> None:
+    buf = Buffer(group_size=2, max_staleness=2)
+    fill(buf, "old", 2, version=0)
+    fill(buf, "mixed", 1, version=3)
+    buf.add(traj("mixed", 1, version=1))
+    fill(buf, "new", 2, version=3)
+    buf.set_version(3)  # old: 3 - 0 > 2 dropped; mixed: 3 - 1 = 2 kept
+    batch = buf.get_batch(4, batch_id=1)
+    assert batch is not None and ids(batch) == ["mixed-0", "mixed-1", "new-0", "new-1"]
+    assert all(batch.version - t.min_version() <= 2 for g in batch.groups for t in g.trajectories)
+    fill(buf, "late-old", 2, version=0)  # stale on arrival (checked when its group is released)
+    m = balanced(buf)
+    assert m["dropped_stale"] == 4 and m["ready"] == 0
+
+
+def test_stale_groups_are_evicted_when_the_version_moves_while_they_wait() -> None:
+    buf = Buffer(group_size=1, max_staleness=1)
+    fill(buf, "g", 1, version=0)
+    buf.set_version(1)
+    assert buf.metrics()["ready"] == 1
+    buf.set_version(2)
+    m = balanced(buf)
+    assert (m["ready"], m["dropped_stale"]) == (0, 1)
+    assert buf.get_batch(1, batch_id=1) is None
+
+
+def test_freshest_and_custom_policies() -> None:
+    buf = Buffer(group_size=1, max_staleness=10, policy=freshest)
+    for name, version in [("v1", 1), ("v3", 3), ("v2", 2)]:
+        buf.add(traj(name, 0, version))
+    batch = buf.get_batch(2, batch_id=1)
+    assert batch is not None and ids(batch) == ["v3-0", "v2-0"]
+
+    def highest_reward_first(groups: Sequence[Group], trainer_version: int) -> Sequence[Group]:
+        return sorted(groups, key=lambda g: -max(g.rewards))
+
+    buf = Buffer(group_size=1, max_staleness=10, policy=highest_reward_first)
+    for k, reward in enumerate([0.1, 0.9, 0.5]):
+        t = traj(f"r{k}", 0)
+        t.reward = reward
+        buf.add(t)
+    batch = buf.get_batch(1, batch_id=7)
+    assert batch is not None and ids(batch) == ["r1-0"]
+    assert buf.get_batch(1, batch_id=7) is batch  # the same request id never gets a second batch
+    with pytest.raises(ValueError, match="unknown policy 'lifo'"):
+        Buffer(group_size=1, max_staleness=1, policy="lifo")
+
+
+def test_trained_batches_leave_and_a_restarted_trainer_gets_untrained_ones_back() -> None:
+    buf = Buffer(group_size=1, max_staleness=10)
+    for k in range(4):
+        buf.add(traj(f"g{k}", 0))
+    b1, b2 = buf.get_batch(1, batch_id=1), buf.get_batch(1, batch_id=2)
+    assert b1 is not None and b2 is not None
+    buf.set_version(1, trained=[1])
+    m = balanced(buf)
+    assert (m["trained"], m["delivered"], m["ready"]) == (1, 1, 2)
+    buf.set_version(1, restarted=True)  # batch 2 was handed out but never trained
+    again = buf.get_batch(1, batch_id=3)
+    assert again is not None and ids(again) == ids(b2)
+    assert balanced(buf)["trained"] == 1
+    buf.set_version(1, returned=[3])  # reached the client too late to be trained: handed back
+    assert ids(buf.get_batch(1, batch_id=4)) == ids(b2)
+    assert balanced(buf)["delivered"] == 1
+
+
+def test_wal_restores_everything_acked_and_not_trained(tmp_path: Path) -> None:
+    buf = Buffer.open(tmp_path, group_size=2, max_staleness=3, group_timeout_s=5.0)
+    fill(buf, "a", 2, version=1)
+    fill(buf, "b", 2, version=1)
+    fill(buf, "c", 1, version=1, now=0.0)
+    fill(buf, "d", 1, version=1)
+    buf.tick(now=10.0)  # c and d released as partial groups (logged: replay must not re-decide)
+    first = buf.get_batch(2, batch_id=11)
+    second = buf.get_batch(2, batch_id=12)
+    buf.set_version(2, trained=[11])
+    buf.commit()
+    before = balanced(buf)
+    buf.close()
+
+    back = Buffer.open(tmp_path, group_size=2, max_staleness=3)
+    assert balanced(back) == before
+    assert back.get_batch(2, batch_id=12) is not None and ids(back.get_batch(2, batch_id=12)) == ids(second)
+    assert ids(first) == ["a-0", "a-1"]
+    back.add(traj("a", 0, version=1))  # seen before the restart: still a duplicate
+    assert back.metrics()["duplicates"] == 1
+    back.set_version(3, trained=[12])
+    rest = back.get_batch(2, batch_id=13)
+    assert rest is not None and sorted(ids(rest)) == ["c-0", "d-0"]
+    back.close()
+
+
+def test_compaction_keeps_state_and_shrinks_the_log(tmp_path: Path) -> None:
+    buf = Buffer.open(tmp_path, group_size=1, max_staleness=100, compact_every=50)
+    for k in range(60):
+        buf.add(traj(f"g{k}", 0, tokens=500))
+    for k in range(50):
+        assert buf.get_batch(1, batch_id=k) is not None
+    buf.commit()
+    size_before = (tmp_path / WAL_FILE).stat().st_size
+    buf.set_version(1, trained=list(range(50)))  # reaches compact_every: the log is rewritten
+    buf.commit()
+    assert (tmp_path / WAL_FILE).stat().st_size < size_before / 3
+    buf.add(traj("g0", 0))  # ids survive compaction: still a duplicate
+    buf.add(traj("after", 0))
+    buf.close()
+    back = Buffer.open(tmp_path, group_size=1, max_staleness=100)
+    m = balanced(back)
+    assert (m["received"], m["trained"], m["ready"], m["duplicates"]) == (61, 50, 11, 0)
+    back.add(traj("g0", 0))
+    assert back.metrics()["duplicates"] == 1 and back.metrics()["received"] == 61
+
+
+def test_torn_tail_is_cut_and_damage_is_an_error(tmp_path: Path) -> None:
+    buf = Buffer.open(tmp_path, group_size=1, max_staleness=1)
+    for k in range(3):
+        buf.add(traj(f"g{k}", 0))
+    buf.close()
+    path = tmp_path / WAL_FILE
+    data = path.read_bytes()
+    path.write_bytes(data[:-7])  # the process died in the middle of the last record
+    back = Buffer.open(tmp_path, group_size=1, max_staleness=1)
+    assert balanced(back)["received"] == 2
+    back.add(traj("g2", 0))  # the cut record was never acked, so its sender resends it
+    back.close()
+    assert balanced(Buffer.open(tmp_path, group_size=1, max_staleness=1))["received"] == 3
+    damaged = bytearray(path.read_bytes())
+    damaged[20] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(WALCorruptError, match=r"damaged record at byte 0.*move the file aside"):
+        Buffer.open(tmp_path, group_size=1, max_staleness=1)
+
+
+def test_server_settings_come_from_the_config_tree(tmp_path: Path) -> None:
+    from slime_async.buffer import ServerSettings
+    from slime_async.config import ConfigError, load_config
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "run.name=r1", "rollout.group_size=4", "buffer.capacity=16"])
+    s = ServerSettings.from_config(cfg)
+    assert (s.group_size, s.max_staleness, s.buffer.capacity) == (4, cfg.rollout.max_staleness, 16)
+    assert s.wal_dir == str(tmp_path / "r1" / "buffer-wal")
+    with pytest.raises(ConfigError, match=r"buffer\.sender_credits"):
+        load_config(None, ["buffer.sender_credits=0"])

@@ -1,0 +1,97 @@
+"""Senders: credit-based flow control (they wait, never drop), acks, resends after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from transport_helpers import make_trajectory, server_thread
+
+from slime_async.buffer import BufferClient
+from slime_async.transport import AsyncSender, SyncSender
+from slime_async.transport import protocol as p
+from slime_async.transport.sender_core import SenderCore
+
+
+async def _until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_full_buffer_makes_senders_wait_and_nothing_is_dropped() -> None:
+    capacity, credits, total = 8, 4, 40
+    with server_thread(capacity=capacity, sender_credits=credits) as server:
+        client = BufferClient(server.endpoint, retry_s=0.2)
+        async with AsyncSender(server.endpoint) as sender:
+
+            async def send_all() -> None:
+                for k in range(total):
+                    await sender.send(make_trajectory(k))
+
+            task = asyncio.create_task(send_all())
+
+            async def blocked() -> bool:
+                m = await asyncio.to_thread(client.metrics)
+                return m["ready"] >= capacity and not sender.core.can_enqueue() and sender.unacked == 0
+
+            await _until(blocked, 10, "the sender to run out of credits")
+            m = await asyncio.to_thread(client.metrics)
+            assert not task.done() and m["received"] <= capacity + credits, m
+            taken = 0
+            while taken < total:  # the trainer takes batches; the room lets the sender go on
+                batch = await asyncio.to_thread(client.get_batch, 1, 10.0)
+                taken += batch.num_trajectories
+                await asyncio.to_thread(client.set_version, 0)
+            await asyncio.wait_for(task, 10)
+            await sender.flush(10)
+            m = await asyncio.to_thread(client.metrics)
+            assert sender.stats.acked == total and (m["received"], m["trained"], m["buffered"]) == (total, total, 0)
+        client.close()
+
+
+def test_sync_sender_reconnects_when_the_server_falls_silent(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/b.sock"
+    mute = zmq.Context.instance().socket(zmq.ROUTER)  # accepts connections, never answers
+    mute.bind(endpoint)
+    sender = SyncSender(endpoint, heartbeat_s=0.1, heartbeat_timeout_s=0.4)
+    try:
+        with pytest.raises(TimeoutError, match="a credit from the buffer"):
+            sender.send(make_trajectory(0), timeout=1.0)  # no credit: it waits, then says so
+        assert sender.stats.reconnects >= 1 and sender.unacked == 0  # not accepted, so not lost either
+        mute.close(linger=0)
+        with server_thread(endpoint=endpoint) as server:
+            sender.send(make_trajectory(0), timeout=10)
+            sender.flush(10)
+            assert server.metrics()["received"] == 1 and sender.stats.acked == 1
+    finally:
+        sender.close()
+
+
+def test_sender_core_requeues_unacked_items_in_a_new_session() -> None:
+    core = SenderCore("w", heartbeat_s=1, heartbeat_timeout_s=5)
+    core.new_session(0.0)
+    for k in range(4):
+        core.enqueue(f"t{k}", b"frame")
+    assert core.next_data() is None  # no credit yet
+    core.on_message([p.GRANT, p.pack_u64(1), p.pack_u64(3)], 0.1)
+    sent = [core.next_data() for _ in range(4)]
+    assert [m is not None for m in sent] == [True, True, True, False]  # three credits, three sends
+    core.on_message([p.ACK, p.encode(p.Ack(seqs=[0]))], 0.2)
+    core.on_message([p.GRANT, p.pack_u64(0), p.pack_u64(99)], 0.2)  # a grant of an old session: ignored
+    assert core.credit() == 0
+    hello = core.on_message([p.RESET, p.pack_u64(1)], 0.3)  # the server forgot us
+    assert hello is not None and hello[0] == p.HELLO and core.session == 2
+    assert list(core.queue) == [1, 2, 3] and core.stats.resent == 2  # seq 3 was never sent
+    assert core.on_message([p.RESET, p.pack_u64(1)], 0.3) is None  # a late RESET of the old session
+    core.on_message([p.GRANT, p.pack_u64(2), p.pack_u64(10)], 0.4)
+    frames = [core.next_data() for _ in range(3)]
+    assert [p.unpack_u64(f[2], "seq") for f in frames] == [1, 2, 3]
+    core.on_message([p.ACK, p.encode(p.Ack(seqs=[1, 2]))], 0.5)
+    core.on_message([p.NACK, p.pack_u64(3), b"invalid: bad"], 0.5)
+    assert core.all_acked() and core.stats.acked == 3 and core.stats.nacked_by_reason == {"invalid": 1}
+    assert core.server_dead(0.5 + 5.1) and not core.server_dead(0.5 + 4.9)
