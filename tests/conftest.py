@@ -11,7 +11,7 @@ from helpers import perturbed
 from transformers import AutoModelForCausalLM
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache directory of the session's own, so that tests never touch the user's."""
     path = tmp_path_factory.mktemp("cache")

@@ -124,7 +124,10 @@ def serve(
     from slime_async.config.model_dir import resolve_model_path
     from slime_async.engine.launch import load_engine
     from slime_async.engine.launch import serve as serve_engine
+    from slime_async.engine.server import is_loopback
 
+    if not is_loopback(host) and not admin_token:
+        fail(f"--host {host} is not loopback: give --admin-token so that the weight and pause endpoints are guarded")
     path = resolve_model_path(model, field="--model")
     if device not in ("auto", "cpu", "cuda"):
         fail(f"--device: got {device!r}; expected one of 'auto', 'cpu', 'cuda'")

@@ -39,7 +39,7 @@ class EngineServer:
     """aiohttp application over an `Engine`; one per model."""
 
     def __init__(self, engine: Engine, model_path: str, host: str = "127.0.0.1", admin_token: str | None = None):
-        if not _is_loopback(host) and not admin_token:
+        if not is_loopback(host) and not admin_token:
             raise ValueError(f"binding to {host} (not loopback) requires an admin token for the weight endpoints")
         self.engine = engine
         self.model_path = model_path
@@ -319,7 +319,7 @@ def _set(future: asyncio.Future, seq: Sequence) -> None:
         future.set_result(seq)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
