@@ -10,9 +10,10 @@ an episode does (`env`), the wire to the buffer (`transport`), training.
 from slime_async.rollout.admission import StalenessBudget
 from slime_async.rollout.client import Generation, ServerError, SGLangClient
 from slime_async.rollout.scheduler import HttpPolicy, RolloutStats, Scheduler
-from slime_async.rollout.sinks import JsonlSink, ListSink, Sink
+from slime_async.rollout.sinks import BufferSink, JsonlSink, ListSink, Sink
 
 __all__ = [
+    "BufferSink",
     "Generation",
     "HttpPolicy",
     "JsonlSink",

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from slime_async.types import Trajectory, to_json
+
+if TYPE_CHECKING:
+    from slime_async.transport import AsyncSender
 
 
 class Sink(Protocol):
@@ -41,6 +44,25 @@ class JsonlSink:
 
     async def close(self) -> None:
         self._file.close()
+
+
+class BufferSink:
+    """Groups to the buffer server over ZeroMQ: the transport's acked, credit-controlled sender.
+
+    `put` waits for credits (back-pressure from the buffer, never a drop); `close` waits up to
+    `flush_timeout` seconds for the buffer to acknowledge everything sent.
+    """
+
+    def __init__(self, sender: AsyncSender, flush_timeout: float = 60.0) -> None:
+        self.sender = sender
+        self.flush_timeout = flush_timeout
+
+    async def put(self, group: list[Trajectory]) -> None:
+        for trajectory in group:
+            await self.sender.send(trajectory)
+
+    async def close(self) -> None:
+        await self.sender.flush(self.flush_timeout)
 
 
 class ListSink:
