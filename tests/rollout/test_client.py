@@ -70,6 +70,7 @@ async def faulty(engines: list[EngineProcess]):
 
     faults: list[str] = []
     hung = asyncio.Event()
+    release = asyncio.Event()
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -78,7 +79,7 @@ async def faulty(engines: list[EngineProcess]):
             return web.Response(status=500, text="boom")
         if fault == "hang":
             hung.set()
-            await asyncio.Event().wait()
+            await release.wait()  # until the test ends: the client must give up on its own
         if fault == "garbage":
             return web.Response(text="<html>not json</html>")
         async with aiohttp.ClientSession() as s, s.post(engines[0].url + "/generate", json=body) as r:
@@ -100,6 +101,7 @@ async def faulty(engines: list[EngineProcess]):
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     yield f"http://127.0.0.1:{port}", faults, hung
+    release.set()
     await runner.cleanup()
 
 
