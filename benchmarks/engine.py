@@ -99,7 +99,7 @@ def measure(preset: str, device: str, dtype: str, concurrencies: tuple[int, ...]
     from transformers import AutoModelForCausalLM
 
     from slime_async.engine.launch import load_engine
-    from slime_async.engine.process import start_engine
+    from slime_async.launch.process import start_engine
     from slime_async.train.tiny_model import cached_model_dir
 
     model_dir = cached_model_dir(preset)

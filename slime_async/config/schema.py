@@ -60,8 +60,8 @@ class EngineConfig(_Section):
     num_engines: PositiveInt = 1
     host: str = "127.0.0.1"
     """Bind address; anything but loopback requires `admin_token`."""
-    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 30000
-    """Port of the first engine; engine i listens on port + i."""
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 30000
+    """Port of the first engine; engine i listens on port + i. 0 picks free ports."""
     max_batch_size: PositiveInt = 32
     """Most sequences decoded together (continuous batching)."""
     admin_token: str | None = None
@@ -155,6 +155,13 @@ class LogConfig(_Section):
     """Seconds between metric lines."""
 
 
+class LaunchConfig(_Section):
+    max_restarts: NonNegativeInt = 3
+    """Times a part that died is restarted before the run stops (0: stop at the first death)."""
+    ready_timeout_s: PositiveFloat = 300.0
+    """How long a starting part may take to say it is ready."""
+
+
 class Config(_Section):
     """The whole run: one section per part."""
 
@@ -167,3 +174,4 @@ class Config(_Section):
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     sync: SyncConfig = msgspec.field(default_factory=SyncConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    launch: LaunchConfig = msgspec.field(default_factory=LaunchConfig)

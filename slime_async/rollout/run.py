@@ -12,8 +12,8 @@ from rich.live import Live
 from rich.table import Table
 
 from slime_async.config import Config
-from slime_async.engine.process import EngineProcess, start_engine
 from slime_async.env import EnvFactory, Sampling
+from slime_async.launch.process import EngineProcess, start_engine
 from slime_async.rollout.client import SGLangClient
 from slime_async.rollout.scheduler import RolloutStats, Scheduler
 from slime_async.rollout.sinks import JsonlSink

@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from slime_async.buffer import BufferClient, ServerSettings
 from slime_async.config.schema import BufferConfig
-from slime_async.engine.process import start_engine
 from slime_async.env import EnvFactory, Limits, Sampling
+from slime_async.launch.process import start_engine
 from slime_async.rollout import BufferSink, Scheduler, SGLangClient
 from slime_async.transport import AsyncSender
 

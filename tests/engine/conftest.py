@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_async.engine.process import start_engine
+from slime_async.launch.process import start_engine
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import PROMPTS, greedy_body, hf_greedy
 
-from slime_async.engine.process import start_engine
+from slime_async.launch.process import start_engine
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from slime_async.engine.process import EngineProcess, start_engine
 from slime_async.env import EnvFactory, Limits, Sampling
+from slime_async.launch.process import EngineProcess, start_engine
 from slime_async.rollout import JsonlSink, ListSink, Scheduler, SGLangClient
 from slime_async.types import Trajectory, from_json
 

@@ -1,0 +1,103 @@
+"""Child processes of the local launcher: started, watched for their ready line, logged, stopped.
+
+Every part runs as its own OS process (`python -m ...`). Its output goes to a log file (and is
+kept in memory for error messages); the launcher waits, bounded, for the line by which each part
+says it is ready: `serving on URL` (engine), `READY ENDPOINT` (buffer), `READY` (rollout worker,
+trainer).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+
+@dataclass
+class ChildProcess:
+    """A started part: its process, what its ready line said, and its output so far."""
+
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen
+    ready: str
+    """The first match group of the ready pattern (a URL, an endpoint), or the whole line."""
+    log: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:  # engines: the URL they serve on
+        return self.ready
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 20) -> str:
+        return "".join(self.log[-n:])
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+EngineProcess = ChildProcess
+
+
+def start_process(name: str, argv: list[str], ready_pattern: str, timeout: float = 120.0,
+                  log_path: Path | None = None) -> ChildProcess:
+    """Start `argv` and wait (bounded) for a line matching `ready_pattern`.
+
+    Raises RuntimeError naming the part, with the tail of its output, if it exits or stays silent
+    past `timeout`.
+    """
+    log_file: IO[str] | None = None
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = log_path.open("a")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    found = threading.Event()
+    ready: list[str] = []
+    pattern = re.compile(ready_pattern)
+
+    def read() -> None:  # keeps draining the pipe so the child never blocks on a full buffer
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            if len(log) > 2000:
+                del log[:1000]
+            if log_file is not None:
+                log_file.write(line)
+                log_file.flush()
+            match = pattern.search(line)
+            if match and not found.is_set():
+                ready.append(match.group(1) if match.groups() else line.strip())
+                found.set()
+        found.set()
+        if log_file is not None:
+            log_file.close()
+
+    threading.Thread(target=read, name=f"log {name}", daemon=True).start()
+    if not found.wait(timeout) or not ready:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"{name} did not start (exit code {proc.returncode}):\n" + "".join(log[-30:]))
+    return ChildProcess(name, argv, proc, ready[0], log, log_path)
+
+
+def start_engine(model_dir: str | Path, *args: str, timeout: float = 120.0, port: int = 0,
+                 log_path: Path | None = None, name: str = "engine") -> ChildProcess:
+    """Start `slime-async serve --model DIR --port PORT ARGS`; `.url` is where it serves."""
+    argv = [sys.executable, "-m", "slime_async.cli", "serve", "--model", str(model_dir), "--port", str(port), *args]
+    return start_process(name, argv, r"serving on (http://\S+)", timeout, log_path)

@@ -1,0 +1,51 @@
+"""Local launcher: buffer, engine and rollout worker as real processes; a killed part comes back."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from slime_async.buffer import BufferClient
+from slime_async.config import load_config, to_yaml
+from slime_async.launch.local import LocalLauncher, PartFailed
+
+pytestmark = pytest.mark.slow
+
+
+def test_rollout_side_streams_and_a_killed_worker_is_restarted(tmp_path: Path, varied_model_dir: Path) -> None:
+    cfg = load_config(None, [
+        f"model.path={varied_model_dir}", "model.device=cpu", "engine.port=0", "rollout.group_size=2",
+        "rollout.batch_size=4", "rollout.max_staleness=100", "rollout.sampling.max_new_tokens=8",
+        "rollout.filter_equal_rewards=false", f"run.dir={tmp_path}", "launch.max_restarts=1",
+    ])
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(to_yaml(cfg))
+    launcher = LocalLauncher(cfg, config_path, tmp_path / "run", with_trainer=False)
+    events: list[str] = []
+    launcher.start(on_event=events.append)
+    trainer = BufferClient(launcher.buffer_endpoint)
+    try:
+        assert [p.name for p in launcher.parts] == ["buffer", "engine-0", "rollout-0"]
+        batch = trainer.get_batch(4, timeout=120)
+        assert sum(len(g.trajectories) for g in batch.groups) >= 4
+        worker = launcher.part("rollout-0")
+        first = worker.child
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait()
+        launcher.check()
+        assert worker.restarts == 1 and worker.child is not first and worker.child.alive()
+        assert "rollout-0 exited with code -9" in events[0] and "rollout-0 restarted (1/1)" in events[1]
+        trainer.set_version(1)
+        again = trainer.get_batch(4, timeout=120)  # the restarted worker streams again
+        assert again.batch_id != batch.batch_id
+        worker.child.proc.send_signal(signal.SIGKILL)
+        worker.child.proc.wait()
+        with pytest.raises(PartFailed, match="rollout-0 was restarted 1 times already: stopping"):
+            launcher.check()
+        assert (tmp_path / "run" / "logs" / "engine-0.log").read_text().startswith("serving on")
+    finally:
+        trainer.close()
+        launcher.shutdown()
+    assert all(not p.child.alive() for p in launcher.parts)
