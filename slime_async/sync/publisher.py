@@ -63,7 +63,8 @@ class PublishReport:
 
 
 class WeightPublisher:
-    """Pushes weights to a fixed list of engine URLs. Use as `async with WeightPublisher(...) as pub`."""
+    """Pushes weights to a fixed list of engine URLs. Use as `async with WeightPublisher(...) as pub`
+    (or call `close()` when done)."""
 
     def __init__(
         self,
@@ -87,7 +88,7 @@ class WeightPublisher:
         self._nccl: Any = None
 
     async def __aenter__(self) -> WeightPublisher:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s))
+        _ = self.session
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -103,8 +104,9 @@ class WeightPublisher:
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        """Made on first use (inside the running loop); `close()` (or leaving `async with`) ends it."""
         if self._session is None:
-            raise RuntimeError("WeightPublisher used outside `async with`")
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s))
         return self._session
 
     # --- HTTP ---------------------------------------------------------------------------
