@@ -57,12 +57,17 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], n: int = 16) -> list[int]:
 
 @pytest.fixture(scope="session")
 def varied_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with weights whose greedy continuations vary from token to token."""
+    """The tiny model with weights whose greedy continuations vary from token to token.
+
+    std 0.05 rather than the engine tests' 0.15: fp32 rounding differences between the engine's
+    incremental decode and one full forward grow with the logits' size, and at 0.15 (logits far
+    larger than a trained model's) they reach 3e-5, past the 1e-5 that the agreement test asks for;
+    at 0.05 they stay near 2e-6 (the unperturbed model: 1e-6) and greedy output still varies."""
     out = tmp_path_factory.mktemp("varied")
     for f in tiny_model_dir.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
-    perturbed(AutoModelForCausalLM.from_pretrained(tiny_model_dir), seed=0).save_pretrained(out)
+    perturbed(AutoModelForCausalLM.from_pretrained(tiny_model_dir), seed=0, std=0.05).save_pretrained(out)
     return out
 
 
