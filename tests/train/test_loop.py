@@ -139,3 +139,23 @@ async def test_two_half_runs_equal_one_whole_run(tiny_model_dir: Path, tmp_path:
     # the optimizer state is part of it too: moments equal
     sa, sb = whole.backend.optimizer.state_dict()["state"], second.backend.optimizer.state_dict()["state"]
     assert all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
+
+
+async def test_build_trainer_from_config(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from slime_async.config import Config
+    from slime_async.train.build import build_trainer
+
+    cfg = Config()
+    cfg.model.path = str(tiny_model_dir)
+    cfg.model.device = "cpu"
+    cfg.run.dir = str(tmp_path)
+    cfg.rollout.batch_size = 4
+    cfg.train.micro_batch_size = 2
+    source = InMemorySource(make_trajectories(4))
+    trainer = build_trainer(cfg, source, engine_urls=[])
+    assert trainer.publisher is None and not trainer.resume()
+    await trainer.run(until_version=1)
+    assert trainer.version == 1 and (tmp_path / "run" / "checkpoints" / "step_00000001" / "state.json").is_file()
+    cfg.train.backend = "megatron"
+    with pytest.raises(ValueError, match="megatron"):
+        build_trainer(cfg, source, engine_urls=[])
