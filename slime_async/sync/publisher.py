@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import torch
+from safetensors.torch import save as save_safetensors
 
 from slime_async.config.schema import SyncConfig
-from slime_async.engine.weights import encode_named_tensors
 from slime_async.sync.buckets import bucket_named_tensors
 from slime_async.sync.disk import prune_versions, write_version
 
@@ -37,6 +38,21 @@ log = logging.getLogger(__name__)
 
 NamedWeights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 """Called once per publish: yields (HF name, tensor) for every parameter (`TrainerBackend.named_weights`)."""
+
+
+def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """A safetensors file in memory. msgspec writes bytes as base64, so the request carries exactly
+    what `engine.weights.encode_named_tensors` makes (base64 of a safetensors file) without the extra
+    copies of building the base64 string first."""
+    plain: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:  # tied weights share storage, which safetensors refuses
+            t = t.clone()
+        seen.add(t.data_ptr())
+        plain[name] = t
+    return save_safetensors(plain)
 
 
 class PushError(RuntimeError):
@@ -111,9 +127,12 @@ class WeightPublisher:
 
     # --- HTTP ---------------------------------------------------------------------------
 
-    async def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, url: str, path: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
+        """POST a JSON body (a dict, or one already encoded); PushError names the engine and endpoint."""
+        data = body if isinstance(body, bytes) else msgspec.json.encode(body)
         try:
-            async with self.session.post(url + path, json=body, headers=self.headers) as r:
+            async with self.session.post(url + path, data=data,
+                                         headers={**self.headers, "Content-Type": "application/json"}) as r:
                 text = await r.text()
                 status = r.status
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -196,10 +215,19 @@ class WeightPublisher:
         mode = self.cfg.mode
         limit = int(self.cfg.bucket_mb * 1024 * 1024)
         if mode == "tensor":
-            def encode() -> tuple[list[str], int, int]:
+            def encode() -> tuple[list[bytes], int, int]:
                 buckets = bucket_named_tensors(weights(), limit)
                 nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
-                return [encode_named_tensors(b) for b in buckets], nbytes, len(buckets)
+                bodies = []
+                for i, bucket in enumerate(buckets):
+                    last = i == len(buckets) - 1
+                    body: dict[str, Any] = {"serialized_named_tensors": [_safetensors_bytes(bucket)],
+                                            "flush_cache": last}
+                    if last:
+                        body["weight_version"] = str(version)
+                    # one request body per bucket, shared by every engine
+                    bodies.append(msgspec.json.encode(body))
+                return bodies, nbytes, len(buckets)
 
             payloads, nbytes, nbuckets = await asyncio.to_thread(encode)
 
@@ -242,15 +270,11 @@ class WeightPublisher:
             return push_nccl, nbytes, len(buckets)
         raise ValueError(f"sync.mode: expected tensor, disk or nccl, got {mode!r}")
 
-    async def _push_tensor(self, url: str, payloads: list[str], version: int) -> None:
-        paused = len(payloads) > 1
+    async def _push_tensor(self, url: str, bodies: list[bytes], version: int) -> None:
+        paused = len(bodies) > 1
         if paused:
             await self._post(url, "/pause_generation", {"mode": "in_place"})
-        for i, item in enumerate(payloads):
-            last = i == len(payloads) - 1
-            body: dict[str, Any] = {"serialized_named_tensors": [item], "flush_cache": last}
-            if last:
-                body["weight_version"] = str(version)
+        for body in bodies:
             await self._post(url, "/update_weights_from_tensor", body)
         if paused:
             await self._post(url, "/continue_generation", {})
