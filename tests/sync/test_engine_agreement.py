@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, engine_greedy, hf_greedy, post
+from engine_helpers import PROMPT, engine_greedy, hf_greedy, post
 
 from slime_async.config.schema import SyncConfig, TrainConfig
 from slime_async.sync import WeightPublisher

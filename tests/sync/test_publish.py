@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPT, engine_greedy, get, hf_greedy, perturbed
+from engine_helpers import PROMPT, engine_greedy, get, hf_greedy, perturbed
 from transformers import AutoModelForCausalLM
 
 from slime_async.config.schema import SyncConfig

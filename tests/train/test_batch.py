@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_trajectories
+from trajectories import make_trajectories
 
 from slime_async.train.batch import build_batch
 from slime_async.types import StopReason, Trajectory, Turn

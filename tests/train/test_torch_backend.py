@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_trajectories
+from trajectories import make_trajectories
 
 from slime_async.config.schema import TrainConfig
 from slime_async.train.backend import Logprobs
