@@ -68,6 +68,7 @@ class PushError(RuntimeError):
 class PublishReport:
     version: int
     seconds: float
+    """Wall time of the whole publish (version checks, serialisation, every engine's push)."""
     bytes: int
     buckets: int
     updated: list[str] = field(default_factory=list)
@@ -76,6 +77,8 @@ class PublishReport:
     missed: list[str] = field(default_factory=list)
     """Engines found on an older version than the previous publish (they had missed an update)."""
     attempts: int = 0
+    prepare_seconds: float = 0.0
+    """Of `seconds`, the trainer side's serialisation (tensor: safetensors + base64 bodies; disk: the file)."""
 
 
 class WeightPublisher:
@@ -184,9 +187,12 @@ class WeightPublisher:
         for u in missed:
             log.warning("engine %s reports version older than %s: it missed an update; bringing it up to date",
                         u, self.published)
+        prepared = time.perf_counter()
         push, nbytes, nbuckets = await self._prepare(weights, version)
+        prepare_seconds = time.perf_counter() - prepared
         results = await asyncio.gather(*(self._push_with_retries(push, u) for u in targets))
-        report = PublishReport(version=version, seconds=0.0, bytes=nbytes, buckets=nbuckets, missed=missed)
+        report = PublishReport(version=version, seconds=0.0, bytes=nbytes, buckets=nbuckets, missed=missed,
+                               prepare_seconds=prepare_seconds)
         for url, (attempts, error) in zip(targets, results, strict=True):
             report.attempts += attempts
             if error is None:
