@@ -163,6 +163,10 @@ class Trainer:
             record = await self.step(max_steps=target - self.version)
             if record is None:
                 continue
+            log.info("version %d: %d trajectories, loss %.4g, grad norm %.3g, clip %.3f, ess %.3f, "
+                     "staleness <= %d, %.2fs", record.version, record.trajectories, record.loss, record.grad_norm,
+                     record.metrics.get("clip_fraction", 0.0), record.metrics.get("ess", 1.0),
+                     record.max_staleness, record.seconds)
             if self.on_step is not None:
                 self.on_step(record)
             every = self.cfg.checkpoint_every

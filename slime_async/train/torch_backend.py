@@ -2,6 +2,9 @@
 
 Sequences are right-padded per micro-batch (trimmed to the micro-batch's longest row), with an
 attention mask; causal attention means padding after a token never changes that token's logits.
+`bfloat16` is mixed precision: parameters and AdamW state stay float32 (bf16 master weights lose
+small updates), forward and backward run under bf16 autocast, and weights are exported in bf16
+(the engines' dtype; half the bytes to publish).
 Logprobs are computed in float32 from the logits whatever the model's dtype, as the engine's
 sampler does (`engine.sampling`: log_softmax(logits / temperature)).
 """
@@ -55,7 +58,9 @@ class TorchBackend:
         self.device = resolve_device(device)
         if dtype == "bfloat16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError("model.dtype: bfloat16 is not supported by this GPU; use float32")
-        self.dtype = getattr(torch, dtype)
+        self.dtype = torch.float32  # parameters and optimizer state
+        self.export_dtype = getattr(torch, dtype)
+        self.autocast = dtype == "bfloat16"
         try:
             model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype)
         except OSError as exc:
@@ -76,7 +81,8 @@ class TorchBackend:
     def _forward(self, model: torch.nn.Module, mb: Batch, temperature: float, entropy: bool) -> Logprobs:
         ids = mb.input_ids.to(self.device)
         attn = mb.attention_mask.to(self.device)
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
         if temperature != 1.0:
             logits = logits / temperature
         logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
@@ -139,7 +145,7 @@ class TorchBackend:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
-            yield name, param.detach()
+            yield name, param.detach().to(self.export_dtype)
 
     def save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)

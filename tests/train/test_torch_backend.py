@@ -106,3 +106,14 @@ def test_save_and_load_restore_model_and_optimizer(tiny_model_dir: Path, tmp_pat
 def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"model\.path"):
         backend(tmp_path / "nothing")
+
+
+def test_bfloat16_is_mixed_precision(tiny_model_dir: Path) -> None:
+    be = backend(tiny_model_dir, dtype="bfloat16")
+    fp32 = backend(tiny_model_dir)
+    batch = batch_of(2)
+    assert all(p.dtype == torch.float32 for p in be.model.parameters())  # master weights
+    assert {t.dtype for _, t in be.named_weights()} == {torch.bfloat16}  # what engines receive
+    low, high = be.logprobs(batch, 1.0).logprobs, fp32.logprobs(batch, 1.0).logprobs
+    m = batch.loss_mask.bool()
+    assert 0 < (low[m] - high[m]).abs().max() < 0.1  # bf16 rounding, not another model
