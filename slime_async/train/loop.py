@@ -118,7 +118,8 @@ class Trainer:
         self.objective = Objective(cfg)
         self.version = 0
         self.counters: Counter[str] = Counter()
-        """trajectories_trained, skipped:<reason>, truncated, empty_batches, skipped_steps, publish_failures."""
+        """trajectories_trained, skipped:<reason>, truncated, empty_batches, skipped_steps, publish_failures,
+        engines_reconciled (engines found behind and brought up to date)."""
         self._stop = asyncio.Event()
 
     # --- resume -------------------------------------------------------------------------
@@ -157,7 +158,8 @@ class Trainer:
         target = until_version if until_version is not None else self.cfg.steps
         if self.publisher is not None:
             # engines that restarted or missed the last publish get this version before training goes on
-            await self.publisher.reconcile(self.backend.named_weights, self.version)
+            behind = await self.publisher.reconcile(self.backend.named_weights, self.version)
+            self.counters["engines_reconciled"] += len(behind)
         self.source.set_version(self.version)
         while self.version < target and not self._stop.is_set():
             record = await self.step(max_steps=target - self.version)
@@ -182,7 +184,8 @@ class Trainer:
         if not trajectories:
             self.counters["empty_batches"] += 1
             if self.publisher is not None:  # idle: a good moment to catch up engines that fell behind
-                await self.publisher.reconcile(self.backend.named_weights, self.version)
+                behind = await self.publisher.reconcile(self.backend.named_weights, self.version)
+                self.counters["engines_reconciled"] += len(behind)
             return None
         built = build_batch(trajectories, self.cfg.max_seq_len, self.cfg.overlong,
                             vocab_size=getattr(self.backend, "vocab_size", None))

@@ -81,3 +81,35 @@ async def test_engine_and_trainer_agree_and_a_push_changes_greedy_output_as_pred
     assert changed > 0, "the step changed no greedy output: the comparison would prove nothing"
     backend.model.zero_grad(set_to_none=True)
     assert torch.isfinite(prox).all()
+
+
+@pytest.mark.slow
+async def test_resumed_trainer_brings_a_restarted_engine_up_to_date_and_continues(
+        engine: Any, varied_dir: Path, tmp_path: Path) -> None:
+    trajs = [await sample(engine.url, p, f"r{i}", j) for i, p in enumerate(PROMPTS[:2]) for j in range(2)]
+    cfg = TrainConfig(lr=1e-2, checkpoint_every=1, micro_batch_size=4)
+
+    def trainer(source: InMemorySource, publisher: WeightPublisher) -> Trainer:
+        backend = TorchBackend(varied_dir, device="cpu", lr=cfg.lr, micro_batch_size=4)
+        return Trainer(cfg, backend, source, batch_size=2, publisher=publisher, checkpoint_dir=tmp_path,
+                       extra_state={"data": source})
+
+    async with WeightPublisher([engine.url], SyncConfig()) as publisher:
+        first = trainer(InMemorySource(trajs), publisher)
+        await first.run(until_version=1)
+        first_weights = {n: t.clone() for n, t in first.backend.named_weights()}
+        # the engine restarts from the initial checkpoint: version 0, initial weights
+        initial = TorchBackend(varied_dir, device="cpu")
+        await publisher.publish(initial.named_weights, 0)
+        assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(initial.model, PROMPT), "0")
+
+        source = InMemorySource(trajs)
+        second = trainer(source, publisher)
+        assert second.resume() and second.version == 1 and source.offset == 2
+        for name, t in second.backend.named_weights():
+            assert torch.equal(t, first_weights[name])
+        reconciled = second.counters["engines_reconciled"]  # restored from the checkpoint
+        await second.run(until_version=2)
+    assert second.counters["engines_reconciled"] == reconciled + 1  # found on version 0 before training went on
+    assert second.version == 2 and source.versions_seen[-1] == 2
+    assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(second.backend.model, PROMPT), "2")
