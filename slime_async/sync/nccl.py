@@ -6,9 +6,11 @@ world_size, group_name, backend}` makes every engine rank join a process group w
 `/update_weights_from_distributed {names, dtypes, shapes, weight_version}` makes the engines receive
 the tensors that rank 0 broadcasts meanwhile, in the listed order.
 
-Not tested here: the embedded engine answers 501 to both endpoints (CPU machines have no NCCL and
-SGLang does not run on them), so only that refusal is exercised. Each engine is assumed to have one
-rank (tensor parallel size 1); rank offsets follow the URL order.
+Tested here: the protocol over gloo on CPU, against a receiver process that decodes SGLang's request
+bodies and joins the group the way SGLang does (`tests/sync/gloo_receiver.py`), and the embedded
+engine's refusal (501, not retried). Not tested: NCCL itself and a real SGLang server (neither runs
+on the CPU machines). Each engine is assumed to have one rank (tensor parallel size 1); rank
+offsets follow the URL order.
 """
 
 from __future__ import annotations
@@ -24,13 +26,35 @@ import torch.distributed as dist
 
 from slime_async.config.schema import SyncConfig
 
+GROUP_NAME = "weight_update_group"
+
 
 def _free_port() -> int:
     import socket
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_weight_update_group(
+    backend: str, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+    timeout: datetime.timedelta,
+) -> Any:
+    """A process group outside the default one, formed the way SGLang's receiving side forms it
+    (`tcp://` rendezvous, rank 0 hosting the store, keys under `group_name`), so both sides meet.
+
+    Used by the trainer (rank 0) here, and by the receiving side of the gloo test.
+    """
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
 
 
 class NcclBroadcaster:
@@ -68,12 +92,8 @@ class NcclBroadcaster:
         return future
 
     def _form_group(self, port: int, world_size: int) -> Any:
-        timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
-        store = dist.TCPStore(self.cfg.nccl_master_address, port, world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
-        if self.backend == "nccl":
-            return dist.ProcessGroupNCCL(store, 0, world_size)
-        return dist.ProcessGroupGloo(store, 0, world_size, timeout)
+        return init_weight_update_group(self.backend, self.cfg.nccl_master_address, port, 0, world_size,
+                                        GROUP_NAME, datetime.timedelta(seconds=self.cfg.timeout_s))
 
     async def _ensure_group(self) -> None:
         async with self._lock:
@@ -85,7 +105,7 @@ class NcclBroadcaster:
             forming = self._in_daemon_thread(self._form_group, port, world)
             inits = [asyncio.ensure_future(self.publisher._post(u, "/init_weights_update_group", {
                 "master_address": self.cfg.nccl_master_address, "master_port": port, "rank_offset": 1 + i,
-                "world_size": world, "group_name": "weight_update_group", "backend": self.backend,
+                "world_size": world, "group_name": GROUP_NAME, "backend": self.backend,
             })) for i, u in enumerate(urls)]
             try:
                 # an engine's refusal (501) arrives long before the rendezvous would time out
@@ -105,7 +125,7 @@ class NcclBroadcaster:
                 last = i == len(buckets) - 1
                 body = {
                     "names": list(bucket), "dtypes": [str(t.dtype).removeprefix("torch.") for t in bucket.values()],
-                    "shapes": [list(t.shape) for t in bucket.values()], "group_name": "weight_update_group",
+                    "shapes": [list(t.shape) for t in bucket.values()], "group_name": GROUP_NAME,
                     "flush_cache": last,
                 }
                 if last:
@@ -115,10 +135,11 @@ class NcclBroadcaster:
                 await asyncio.gather(*posts, asyncio.to_thread(self._broadcast, bucket))
 
     def _broadcast(self, bucket: dict[str, torch.Tensor]) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
         for t in bucket.values():
-            self.group.broadcast([t.contiguous()], opts).wait()
+            dist.broadcast(t.contiguous(), src=0, group=self.group)
 
     def close(self) -> None:
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.group)
         self.group = None
