@@ -105,6 +105,8 @@ class WeightPublisher:
         """The last version every engine confirmed (None before the first publish)."""
         self._session: aiohttp.ClientSession | None = None
         self._nccl: Any = None
+        self._paused: set[str] = set()
+        """Engines this publisher paused and has not resumed yet (a push failed half-way)."""
 
     async def __aenter__(self) -> WeightPublisher:
         _ = self.session
@@ -277,13 +279,11 @@ class WeightPublisher:
         raise ValueError(f"sync.mode: expected tensor, disk or nccl, got {mode!r}")
 
     async def _push_tensor(self, url: str, bodies: list[bytes], version: int) -> None:
-        paused = len(bodies) > 1
-        if paused:
+        if len(bodies) > 1:
             await self._post(url, "/pause_generation", {"mode": "in_place"})
+            self._paused.add(url)
         for body in bodies:
             await self._post(url, "/update_weights_from_tensor", body)
-        if paused:
-            await self._post(url, "/continue_generation", {})
 
     async def _push_with_retries(self, push: Callable[[str], Any], url: str) -> tuple[int, str | None]:
         """(attempts made, last error or None)."""
@@ -294,6 +294,9 @@ class WeightPublisher:
                 await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
             try:
                 await push(url)
+                if url in self._paused:  # whole again: serve (also after an earlier half-done push)
+                    await self._post(url, "/continue_generation", {})
+                    self._paused.discard(url)
                 return attempt + 1, None
             except PushError as exc:
                 error = str(exc)

@@ -115,8 +115,10 @@ async def test_failed_push_is_retried_and_never_half_applied(engine, base, other
         # paused, so that the half of the weights already copied never serves; still on version 7
         assert info["internal_states"][0]["paused"] is True
         assert (await pub.engine_versions()) == {engine.url: 7}
+        pub.cfg = fast(bucket_mb=512)  # one bucket: no pause of its own, yet it must resume the engine
         report = await pub.publish(weights_of(other), 8)
-        assert not report.failed
+        assert not report.failed and report.buckets == 1
+        assert (await get(engine.url, "/get_server_info"))["internal_states"][0]["paused"] is False
         assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(other, PROMPT), "8")
 
 
