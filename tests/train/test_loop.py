@@ -159,3 +159,20 @@ async def test_build_trainer_from_config(tiny_model_dir: Path, tmp_path: Path) -
     cfg.train.backend = "megatron"
     with pytest.raises(ValueError, match="megatron"):
         build_trainer(cfg, source, engine_urls=[])
+
+
+async def test_loop_waits_for_data_and_trains_it_when_it_arrives(tiny_model_dir: Path) -> None:
+    import asyncio
+
+    source = InMemorySource()
+    trainer, records, _ = make(tiny_model_dir, source, batch_timeout_s=0.05)
+    run = asyncio.ensure_future(trainer.run(until_version=1))
+    # bounded wait on a condition: the loop has asked for data and found none at least once
+    for _ in range(2000):
+        if trainer.counters["empty_batches"] >= 1:
+            break
+        await asyncio.sleep(0.005)
+    assert trainer.counters["empty_batches"] >= 1 and trainer.version == 0
+    source.add(make_trajectories(4))
+    await asyncio.wait_for(run, timeout=120)
+    assert trainer.version == 1 and records[0].trajectories == 4
