@@ -118,7 +118,8 @@ class Trainer:
         self.objective = Objective(cfg)
         self.version = 0
         self.counters: Counter[str] = Counter()
-        """trajectories_trained, skipped:<reason>, truncated, empty_batches, skipped_steps, publish_failures,
+        """trajectories_trained, skipped:<reason> (trajectories; `step_not_applied` when the batch's step was
+        skipped), truncated, empty_batches, skipped_steps, publish_failures,
         engines_reconciled (engines found behind and brought up to date)."""
         self._stop = asyncio.Event()
 
@@ -227,7 +228,10 @@ class Trainer:
         oldest = int(valid.min()) if valid.numel() else self.version
         # the last step trained the weights of version (self.version - 1) on tokens as old as `oldest`
         record.max_staleness = max(0, self.version - (1 if record.applied else 0) - oldest)
-        self.counters["trajectories_trained"] += len(batch) if record.applied else 0
+        if record.applied:
+            self.counters["trajectories_trained"] += len(batch)
+        else:  # counted, never silently lost (DESIGN.md, "Reliability rules")
+            self.counters["skipped:step_not_applied"] += len(batch)
         if record.applied and self.publisher is not None:
             record.publish = await self.publisher.publish(self.backend.named_weights, self.version)
             if record.publish.failed:

@@ -105,6 +105,7 @@ async def test_a_skipped_step_keeps_the_version(tiny_model_dir: Path, monkeypatc
     record = await trainer.step()
     assert record is not None and record.applied == 0 and record.skipped_steps == ["non-finite loss"]
     assert trainer.version == 0 and trainer.counters["skipped_steps"] == 1 and not sink.published
+    assert trainer.counters["skipped:step_not_applied"] == 4 and trainer.counters["trajectories_trained"] == 0
 
 
 async def test_kl_and_entropy_terms_run(tiny_model_dir: Path) -> None:
