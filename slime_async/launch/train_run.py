@@ -64,13 +64,34 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
                 return False
 
             launcher.supervise(done)
+        stop_rollout(launcher)  # what the workers finished reaches the buffer before it is counted
+        buffer_metrics = _buffer_metrics(launcher, cfg)
     finally:
         launcher.shutdown()
     records = read_metrics(metrics_path)
     summary = {"steps": len(records), "wall_s": time.monotonic() - started, "events": launcher.events,
-               "last": records[-1] if records else None, "run_dir": str(run_dir)}
+               "last": records[-1] if records else None, "buffer": buffer_metrics, "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def stop_rollout(launcher: LocalLauncher) -> None:
+    for part in launcher.parts:
+        if part.name.startswith("rollout") and part.child is not None:
+            part.child.stop(timeout=60)
+
+
+def _buffer_metrics(launcher: LocalLauncher, cfg: Config) -> dict[str, int] | None:
+    """received = trained + buffered + dropped, as the buffer counts them at the end of the run."""
+    from slime_async.buffer import BufferClient
+
+    client = BufferClient(launcher.buffer_endpoint, curve_dir=cfg.buffer.curve_dir)
+    try:
+        return client.metrics(timeout=10)
+    except TimeoutError:
+        return None
+    finally:
+        client.close()
 
 
 def _view(cfg: Config, records: list[dict[str, Any]], started: float) -> Table:
