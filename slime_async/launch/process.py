@@ -8,7 +8,10 @@ trainer).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -65,7 +68,8 @@ def start_process(name: str, argv: list[str], ready_pattern: str, timeout: float
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = log_path.open("a")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_die_with_parent)
     log: list[str] = []
     found = threading.Event()
     ready: list[str] = []
@@ -94,6 +98,13 @@ def start_process(name: str, argv: list[str], ready_pattern: str, timeout: float
         proc.wait()
         raise RuntimeError(f"{name} did not start (exit code {proc.returncode}):\n" + "".join(log[-30:]))
     return ChildProcess(name, argv, proc, ready[0], log, log_path)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, however it dies (Linux), so a
+    killed launcher leaves no engines, buffers or workers behind."""
+    with contextlib.suppress(OSError):  # not Linux: the launcher's shutdown is the only guard
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 def start_engine(model_dir: str | Path, *args: str, timeout: float = 120.0, port: int = 0,

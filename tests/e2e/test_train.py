@@ -55,7 +55,8 @@ def test_train_runs_every_part_and_accounts_for_every_trajectory(tmp_path: Path)
 
 def test_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     proc = subprocess.Popen(train_command(tmp_path, "train.steps=6", "train.checkpoint_every=1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True)
     run = tmp_path / "local"
     metrics_path = run / "metrics.jsonl"
     try:
@@ -70,7 +71,8 @@ def test_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(tmp_path: P
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and, through PDEATHSIG, its children
+            proc.wait()
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert any("trainer died" in e for e in summary["events"]) and any("trainer restarted" in e for e in
@@ -80,3 +82,20 @@ def test_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(tmp_path: P
     b = summary["buffer"]
     assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"]
     assert "resumed=True" in (run / "logs" / "trainer.log").read_text()
+    assert processes_mentioning(str(run / "config.yaml")) == []
+
+
+def test_a_killed_launcher_leaves_nothing_running(tmp_path: Path) -> None:
+    proc = subprocess.Popen(train_command(tmp_path, "train.steps=50"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=REPO)
+    config = str(tmp_path / "local" / "config.yaml")
+    deadline = time.monotonic() + 300
+    while len(processes_mentioning(config)) < 2:  # trainer and rollout worker are up
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.kill()  # SIGKILL: no shutdown code runs in the launcher
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while processes_mentioning(config) or processes_mentioning(str(tmp_path / "local" / "buffer-wal")):
+        assert time.monotonic() < deadline, "children outlived their launcher"
+        time.sleep(0.2)
