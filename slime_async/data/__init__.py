@@ -1,0 +1,46 @@
+"""Data: where tasks come from, how they are scored from outside, how the policy is evaluated, and slime's way in.
+
+Owns:
+- task sources (`sources`: JSONL in slime's row format, Hugging Face `datasets`, Python
+  iterables), the row format and bad-row errors naming file and line (`rows`), the task stream
+  with seeded shuffling, epochs, a skip policy and a resumable position (`stream`: `TaskStream`,
+  `DataState`), per-task environment choice (`router`: `EnvRouter`), and building all that from
+  the config's `data:` section (`build`);
+- remote rewards: an HTTP reward-model / LLM-judge client for `@reward`/`@group_reward` (`remote_reward`);
+- evaluation suites: metric computations (`eval_metrics`: pass@k, mean reward) and the suite
+  runner over the Scheduler (`eval_suite`);
+- slime compatibility: running a slime-style `async generate(args, sample, sampling_params)`
+  inside the scheduler (`slime_compat`).
+
+Does not own: what an episode does (`env`, `envs/`), scheduling and HTTP to the engines (`rollout`),
+when evaluation runs during training (the trainer loop / `launch`), checkpoint files (`train`
+saves the `DataState` it is given).
+"""
+
+from slime_async.data.build import build_envs, build_tasks, load_state, open_source, row_format, save_state
+from slime_async.data.router import EnvRouter, UnknownEnv
+from slime_async.data.rows import ENV_METADATA_KEY, BadRow, RowFormat, row_to_task
+from slime_async.data.sources import HFSource, IterableSource, JsonlSource, RowSource
+from slime_async.data.stream import DataState, TaskStream, TooManyBadRows
+
+__all__ = [
+    "ENV_METADATA_KEY",
+    "BadRow",
+    "DataState",
+    "EnvRouter",
+    "HFSource",
+    "IterableSource",
+    "JsonlSource",
+    "RowFormat",
+    "RowSource",
+    "TaskStream",
+    "TooManyBadRows",
+    "UnknownEnv",
+    "build_envs",
+    "build_tasks",
+    "load_state",
+    "open_source",
+    "row_format",
+    "row_to_task",
+    "save_state",
+]
