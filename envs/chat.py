@@ -3,7 +3,8 @@
 Single-turn by default: the model answers once, the reply is scored. With `max_attempts > 1` it is
 multi-turn: a wrong answer gets `retry_message` and another try, the last answer is scored (the
 metric `attempts` counts the tries). Verifiers (`envs.verifiers`): `math` (math-verify
-equivalence), `exact`, `regex` (the label is a pattern), `f1`. A JSONL of math problems trains
+equivalence), `exact`, `regex` (the label is a pattern), `f1`, or `judge` (a remote LLM judge or
+reward model, `slime_async.data.remote_reward`). A JSONL of math problems trains
 with no Python written:
 
     env: {name: "envs.chat:ChatEnv", args: {verifier: math}}
@@ -12,17 +13,21 @@ with no Python written:
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from envs.verifiers import VerifierName, score
+from slime_async.data.remote_reward import RemoteRewardArgs, shared_remote_reward
 from slime_async.env import Env, EnvArgs, Limits, metric, reward
 from slime_async.types import Message
 
 
 class ChatArgs(EnvArgs):
-    verifier: VerifierName = "exact"
+    verifier: VerifierName | Literal["judge"] = "exact"
+    """`math`, `exact`, `regex`, `f1` (envs.verifiers), or `judge`: a remote LLM judge / reward model."""
+    judge: RemoteRewardArgs | None = None
+    """The judge or reward model of `verifier: judge` (slime_async.data.RemoteRewardArgs)."""
     answer_pattern: str | None = None
     """A regex that finds the answer in a reply (its first group, if any; the last match counts);
     null: the last `\\boxed{}`, else what follows "the answer is", else the whole reply
@@ -34,6 +39,10 @@ class ChatArgs(EnvArgs):
     retry_message: str = "That is not correct. Try again."
     show_tool_schemas: bool = False
     limits: Limits = msgspec.field(default_factory=lambda: Limits(max_turns=8, max_tool_calls=0))
+
+    def __post_init__(self) -> None:
+        if self.verifier == "judge" and self.judge is None:
+            raise ValueError("verifier 'judge' needs judge: {url: ...}")
 
 
 class ChatEnv(Env):
@@ -63,9 +72,12 @@ class ChatEnv(Env):
         """The verifier's score of `reply` (cached: a reply checked in `on_reply` is not checked again)."""
         if reply not in self._scored:
             assert self.task is not None
-            self._scored[reply] = float(
-                await self.verify(score, self.args.verifier, reply, self.task.answer, self.args.answer_pattern)
-            )
+            if self.args.judge is not None and self.args.verifier == "judge":
+                judge = shared_remote_reward(self.args.judge)
+                value = await judge.score(self.task.prompt, reply, self.task.answer)
+            else:
+                value = await self.verify(score, self.args.verifier, reply, self.task.answer, self.args.answer_pattern)
+            self._scored[reply] = float(value)
         return self._scored[reply]
 
     @reward

@@ -18,6 +18,13 @@ saves the `DataState` it is given).
 """
 
 from slime_async.data.build import build_envs, build_tasks, load_state, open_source, row_format, save_state
+from slime_async.data.remote_reward import (
+    RemoteReward,
+    RemoteRewardArgs,
+    RemoteRewardError,
+    close_shared_remote_rewards,
+    shared_remote_reward,
+)
 from slime_async.data.router import EnvRouter, UnknownEnv
 from slime_async.data.rows import ENV_METADATA_KEY, BadRow, RowFormat, row_to_task
 from slime_async.data.sources import HFSource, IterableSource, JsonlSource, RowSource
@@ -31,6 +38,9 @@ __all__ = [
     "HFSource",
     "IterableSource",
     "JsonlSource",
+    "RemoteReward",
+    "RemoteRewardArgs",
+    "RemoteRewardError",
     "RowFormat",
     "RowSource",
     "TaskStream",
@@ -38,9 +48,11 @@ __all__ = [
     "UnknownEnv",
     "build_envs",
     "build_tasks",
+    "close_shared_remote_rewards",
     "load_state",
     "open_source",
     "row_format",
     "row_to_task",
     "save_state",
+    "shared_remote_reward",
 ]
