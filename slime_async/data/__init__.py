@@ -27,6 +27,7 @@ from slime_async.data.remote_reward import (
 )
 from slime_async.data.router import EnvRouter, UnknownEnv
 from slime_async.data.rows import ENV_METADATA_KEY, BadRow, RowFormat, row_to_task
+from slime_async.data.slime_compat import Sample, SlimeGenerateFactory, load_function, to_turns
 from slime_async.data.sources import HFSource, IterableSource, JsonlSource, RowSource
 from slime_async.data.stream import DataState, TaskStream, TooManyBadRows
 
@@ -43,16 +44,20 @@ __all__ = [
     "RemoteRewardError",
     "RowFormat",
     "RowSource",
+    "Sample",
+    "SlimeGenerateFactory",
     "TaskStream",
     "TooManyBadRows",
     "UnknownEnv",
     "build_envs",
     "build_tasks",
     "close_shared_remote_rewards",
+    "load_function",
     "load_state",
     "open_source",
     "row_format",
     "row_to_task",
     "save_state",
     "shared_remote_reward",
+    "to_turns",
 ]
