@@ -18,6 +18,8 @@ saves the `DataState` it is given).
 """
 
 from slime_async.data.build import build_envs, build_tasks, load_state, open_source, row_format, save_state
+from slime_async.data.eval_metrics import group_metrics, pass_at_k, reward_metrics
+from slime_async.data.eval_suite import EvalResult, EvalSuite, run_suite, run_suites, suites_from_config
 from slime_async.data.remote_reward import (
     RemoteReward,
     RemoteRewardArgs,
@@ -36,6 +38,8 @@ __all__ = [
     "BadRow",
     "DataState",
     "EnvRouter",
+    "EvalResult",
+    "EvalSuite",
     "HFSource",
     "IterableSource",
     "JsonlSource",
@@ -52,12 +56,18 @@ __all__ = [
     "build_envs",
     "build_tasks",
     "close_shared_remote_rewards",
+    "group_metrics",
     "load_function",
     "load_state",
     "open_source",
+    "pass_at_k",
+    "reward_metrics",
     "row_format",
     "row_to_task",
+    "run_suite",
+    "run_suites",
     "save_state",
     "shared_remote_reward",
+    "suites_from_config",
     "to_turns",
 ]
