@@ -53,8 +53,10 @@ def open_source(ds: DatasetConfig, env: EnvFactory | None = None, name: str | No
     return IterableSource(tasks, name=name or env.name)
 
 
-def build_tasks(cfg: Config, envs: EnvFactory | EnvRouter, state: DataState | None = None) -> TaskStream:
-    """The training task stream of the config, resumed from `state` when given."""
+def build_tasks(cfg: Config, envs: EnvFactory | EnvRouter, state: DataState | None = None,
+                shard: tuple[int, int] = (0, 1)) -> TaskStream:
+    """The training task stream of the config, resumed from `state` when given; `shard=(i, k)` for
+    rollout worker i of k (each row goes to one worker per epoch)."""
     d = cfg.data
     single = envs if isinstance(envs, EnvFactory) else None
     if d.source == "env" and single is None:
@@ -64,6 +66,7 @@ def build_tasks(cfg: Config, envs: EnvFactory | EnvRouter, state: DataState | No
         source, row_format(d), shuffle=d.shuffle and d.source != "env",
         seed=d.seed if d.seed is not None else cfg.run.seed, epochs=d.epochs, on_bad_row=d.on_bad_row,
         max_skipped=d.max_skipped, validate=envs.check if isinstance(envs, EnvRouter) else None, state=state,
+        shard=shard,
     )
 
 

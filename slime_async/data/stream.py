@@ -46,7 +46,9 @@ class TaskStream(Iterator[Task]):
 
     `epochs=None` cycles for ever. `validate(task)` may raise ValueError to reject a row (e.g. an
     unknown environment name): it is then a bad row like any other. `state()` is the offset to
-    save; pass it back as `state=` to resume.
+    save; pass it back as `state=` to resume. `shard=(i, k)`: this stream takes every k-th row of
+    each epoch's order, starting at i (rollout worker i of k): together the k streams see each row
+    once per epoch.
     """
 
     def __init__(
@@ -61,9 +63,16 @@ class TaskStream(Iterator[Task]):
         max_skipped: int | None = None,
         validate: Callable[[Task], None] | None = None,
         state: DataState | None = None,
+        shard: tuple[int, int] = (0, 1),
     ) -> None:
         if len(source) == 0:
             raise ValueError(f"data source {source.name} has no rows")
+        index, count = shard
+        if not 0 <= index < count:
+            raise ValueError(f"shard {shard}: expected (index, count) with 0 <= index < count")
+        if count > len(source):
+            raise ValueError(f"data source {source.name} has {len(source)} rows, fewer than the {count} shards")
+        self.shard = shard
         self.source, self.fmt = source, fmt or RowFormat()
         self.shuffle, self.seed, self.epochs = shuffle, seed, epochs
         self.on_bad_row, self.max_skipped, self.validate = on_bad_row, max_skipped, validate
@@ -82,17 +91,18 @@ class TaskStream(Iterator[Task]):
         return self
 
     def __next__(self) -> Task:
-        s, n = self._state, len(self.source)
+        s = self._state
         while True:
             if self.epochs is not None and s.epoch >= self.epochs:
                 raise StopIteration
-            if s.index >= n:
+            order = self._order_of(s.epoch)
+            if s.index >= len(order):
                 if not self._good_this_epoch:
                     raise TooManyBadRows(f"data source {self.source.name}: epoch {s.epoch} had no usable row "
                                          f"({s.skipped} skipped; first: {self.errors[:1]})")
                 s.epoch, s.index, self._good_this_epoch = s.epoch + 1, 0, False
                 continue
-            i = int(self._order_of(s.epoch)[s.index])
+            i = int(order[s.index])
             s.index += 1
             try:
                 task = self._task(i)
@@ -116,7 +126,8 @@ class TaskStream(Iterator[Task]):
     def _order_of(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
             n = len(self.source)
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._order = order[self.shard[0] :: self.shard[1]]
             self._order_epoch = epoch
         assert self._order is not None
         return self._order

@@ -106,3 +106,13 @@ def test_config_errors_name_the_field() -> None:
         load_config(None, ["data.envs={a: {name: 'envs.calculator:CalculatorEnv'}}", "data.default_env=b"])
     with pytest.raises(ConfigError, match=r"data.eval\[0\].*pass_k \[4\] needs n_samples >= 4"):
         load_config(None, ["data.eval=[{name: e, pass_k: [4]}]"])
+
+
+def test_shards_split_each_epoch_between_workers() -> None:
+    streams = [TaskStream(IterableSource(ROWS), shuffle=True, seed=2, epochs=2, shard=(i, 3)) for i in range(3)]
+    seen = [[t.answer for t in s] for s in streams]
+    for epoch in range(2):
+        parts = [s[: len(s) // 2] if epoch == 0 else s[len(s) // 2 :] for s in seen]
+        assert sorted(x for p in parts for x in p) == list(range(10))  # every row once per epoch, over the shards
+    with pytest.raises(ValueError, match="0 <= index < count"):
+        TaskStream(IterableSource(ROWS), shard=(3, 3))
