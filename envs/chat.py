@@ -13,14 +13,14 @@ with no Python written:
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from envs.verifiers import VerifierName, score
 from slime_async.data.remote_reward import RemoteRewardArgs, shared_remote_reward
 from slime_async.env import Env, EnvArgs, Limits, metric, reward
-from slime_async.types import Message
+from slime_async.types import Message, Task
 
 
 class ChatArgs(EnvArgs):
@@ -55,7 +55,7 @@ class ChatEnv(Env):
         self.attempts = 0
         self._scored: dict[str, float] = {}
 
-    def prompt(self, task: Any) -> list[Message]:
+    def prompt(self, task: Task) -> list[Message]:
         if isinstance(task.prompt, str) and self.args.system_prompt:
             return [Message(role="system", content=self.args.system_prompt), Message(role="user", content=task.prompt)]
         return super().prompt(task)

@@ -17,7 +17,7 @@ when evaluation runs during training (the trainer loop / `launch`), checkpoint f
 saves the `DataState` it is given).
 """
 
-from slime_async.data.build import build_envs, build_tasks, load_state, open_source, row_format, save_state
+from slime_async.data.build import build_envs, build_tasks, env_factory, load_state, open_source, row_format, save_state
 from slime_async.data.eval_metrics import group_metrics, pass_at_k, reward_metrics
 from slime_async.data.eval_suite import EvalResult, EvalSuite, run_suite, run_suites, suites_from_config
 from slime_async.data.remote_reward import (
@@ -29,12 +29,20 @@ from slime_async.data.remote_reward import (
 )
 from slime_async.data.router import EnvRouter, UnknownEnv
 from slime_async.data.rows import ENV_METADATA_KEY, BadRow, RowFormat, row_to_task
-from slime_async.data.slime_compat import Sample, SlimeGenerateFactory, load_function, to_turns
+from slime_async.data.slime_compat import (
+    SLIME_ENV_NAME,
+    Sample,
+    SlimeGenerateArgs,
+    SlimeGenerateFactory,
+    load_function,
+    to_turns,
+)
 from slime_async.data.sources import HFSource, IterableSource, JsonlSource, RowSource
 from slime_async.data.stream import DataState, TaskStream, TooManyBadRows
 
 __all__ = [
     "ENV_METADATA_KEY",
+    "SLIME_ENV_NAME",
     "BadRow",
     "DataState",
     "EnvRouter",
@@ -49,6 +57,7 @@ __all__ = [
     "RowFormat",
     "RowSource",
     "Sample",
+    "SlimeGenerateArgs",
     "SlimeGenerateFactory",
     "TaskStream",
     "TooManyBadRows",
@@ -56,6 +65,7 @@ __all__ = [
     "build_envs",
     "build_tasks",
     "close_shared_remote_rewards",
+    "env_factory",
     "group_metrics",
     "load_function",
     "load_state",

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import msgspec
 
-from slime_async.config.schema import Config, DatasetConfig
+from slime_async.config.schema import Config, DatasetConfig, EnvConfig
 from slime_async.data.router import EnvRouter
 from slime_async.data.rows import RowFormat
+from slime_async.data.slime_compat import SLIME_ENV_NAME, SlimeGenerateFactory
 from slime_async.data.sources import HFSource, IterableSource, JsonlSource, RowSource
 from slime_async.data.stream import DataState, TaskStream
 from slime_async.env import EnvFactory
@@ -23,9 +24,16 @@ def build_envs(cfg: Config) -> EnvFactory | EnvRouter:
     """`data.envs` as a router when rows choose their environment, else the run's `env`."""
     d = cfg.data
     if d.envs:
-        factories = {name: EnvFactory.from_config(e.name, e.args) for name, e in d.envs.items()}
+        factories = {name: env_factory(e) for name, e in d.envs.items()}
         return EnvRouter(factories, default=d.default_env)
-    return EnvFactory.from_config(cfg.env.name, cfg.env.args)
+    return env_factory(cfg.env)
+
+
+def env_factory(env: EnvConfig) -> EnvFactory:
+    """The factory of one `env:` entry; SLIME_ENV_NAME runs a slime generate function instead of an Env."""
+    if env.name == SLIME_ENV_NAME:
+        return SlimeGenerateFactory.from_args(env.args)
+    return EnvFactory.from_config(env.name, env.args)
 
 
 def row_format(ds: DatasetConfig) -> RowFormat:
@@ -60,7 +68,7 @@ def build_tasks(cfg: Config, envs: EnvFactory | EnvRouter, state: DataState | No
     d = cfg.data
     single = envs if isinstance(envs, EnvFactory) else None
     if d.source == "env" and single is None:
-        single = EnvFactory.from_config(cfg.env.name, cfg.env.args)
+        single = env_factory(cfg.env)
     source = open_source(d, single)
     return TaskStream(
         source, row_format(d), shuffle=d.shuffle and d.source != "env",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_async.config.schema import Config
-from slime_async.data.build import build_envs, open_source, row_format
+from slime_async.data.build import build_envs, env_factory, open_source, row_format
 from slime_async.data.eval_metrics import group_metrics
 from slime_async.data.router import EnvRouter
 from slime_async.data.stream import TaskStream
@@ -66,8 +66,7 @@ def suites_from_config(cfg: Config) -> list[EvalSuite]:
     """The suites of `data.eval`, their tasks read now (bad rows skipped and counted per `data.on_bad_row`)."""
     suites = []
     for s in cfg.data.eval:
-        envs: EnvFactory | EnvRouter = (EnvFactory.from_config(s.env.name, s.env.args) if s.env is not None
-                                        else build_envs(cfg))
+        envs: EnvFactory | EnvRouter = env_factory(s.env) if s.env is not None else build_envs(cfg)
         source = open_source(s, envs if isinstance(envs, EnvFactory) else None, name=s.name)
         stream = TaskStream(source, row_format(s), epochs=1, on_bad_row=cfg.data.on_bad_row,
                             validate=envs.check if isinstance(envs, EnvRouter) else None)

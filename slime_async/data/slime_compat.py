@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from slime_async.env import Env, EnvArgs, EnvFactory, Limits, Policy, Sampling
@@ -142,6 +143,23 @@ class _SlimeEnv(Env):
     """Stands for the generate function where an Env class is expected (it has no group rewards)."""
 
 
+SLIME_ENV_NAME = "slime_async.data.slime_compat:SlimeGenerate"
+"""The `env.name` (or a `data.envs` entry's) that runs a slime generate function, with `SlimeGenerateArgs`."""
+
+
+class SlimeGenerateArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`env.args` for SLIME_ENV_NAME."""
+
+    generate: str
+    """The generate function, `module:function` (or slime's `module.function`)."""
+    reward: str | None = None
+    """slime's custom reward function `async (args, sample) -> float | dict`; null: the sample's own reward."""
+    reward_key: str | None = None
+    """When rewards are dicts: the key that trains (slime's --reward-key)."""
+    args: dict[str, Any] = {}
+    """Extra attributes of the `args` the functions get (slime's flags they read)."""
+
+
 class SlimeGenerateFactory(EnvFactory):
     """An EnvFactory whose episodes are a slime-style generate function (and optional reward function)."""
 
@@ -153,6 +171,16 @@ class SlimeGenerateFactory(EnvFactory):
         self.extra_args = dict(args or {})
         gen_name = f"{self.generate.__module__}:{getattr(self.generate, '__qualname__', 'generate')}"
         super().__init__(_SlimeEnv, EnvArgs(), name or f"slime:{gen_name}")
+
+    @classmethod
+    def from_args(cls, raw: dict[str, Any], name: str = SLIME_ENV_NAME) -> SlimeGenerateFactory:
+        """From `env.args` (validated as SlimeGenerateArgs; errors name the field)."""
+        try:
+            a = msgspec.convert(raw, SlimeGenerateArgs)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"env.args of {name}: {exc} (it takes: {', '.join(SlimeGenerateArgs.__struct_fields__)})"
+                             ) from None
+        return cls(a.generate, args=a.args, reward=a.reward, reward_key=a.reward_key)
 
     def slime_args(self, policy: Policy, sampling: Sampling) -> types.SimpleNamespace:
         """The `args` the function gets: the given ones, plus where slime's router would be and the

@@ -114,3 +114,20 @@ def test_samples_whose_lengths_disagree_are_clear_errors() -> None:
     # A token the record does not have gets the oldest recorded version: staleness is never underestimated.
     (turn,) = to_turns(Sample(tokens=[1, 9, 8], response_length=2), calls)
     assert turn.versions.tolist() == [2, 3]
+
+
+def test_the_config_names_a_generate_function() -> None:
+    from slime_async.config import load_config
+    from slime_async.data import SLIME_ENV_NAME, build_envs
+
+    cfg = load_config(None, [f"env.name={SLIME_ENV_NAME}",
+                             "env.args={generate: 'test_data_slime_compat:multi_turn_generate', "
+                             "reward: 'test_data_slime_compat.length_reward', args: {max_turns: 2}}"])
+    factory = build_envs(cfg)
+    assert isinstance(factory, SlimeGenerateFactory)
+    assert factory.generate is multi_turn_generate and factory.reward_fn is length_reward
+    assert factory.extra_args == {"max_turns": 2}
+    with pytest.raises(ValueError, match=r"env\.args of .*SlimeGenerate.*generate"):
+        build_envs(load_config(None, [f"env.name={SLIME_ENV_NAME}", "env.args={reward: x}"]))
+    with pytest.raises(ValueError, match="cannot load 'no_such_module:fn'"):
+        build_envs(load_config(None, [f"env.name={SLIME_ENV_NAME}", "env.args={generate: 'no_such_module:fn'}"]))
