@@ -7,14 +7,15 @@ Owns:
   `DataState`), per-task environment choice (`router`: `EnvRouter`), and building all that from
   the config's `data:` section (`build`);
 - remote rewards: an HTTP reward-model / LLM-judge client for `@reward`/`@group_reward` (`remote_reward`);
-- evaluation suites: metric computations (`eval_metrics`: pass@k, mean reward) and the suite
-  runner over the Scheduler (`eval_suite`);
+- evaluation suites: metric computations (`eval_metrics`: pass@k, mean reward), the suite
+  runner over the Scheduler (`eval_suite`), and an evaluation worker process that runs the suites
+  whenever the engines' weight version reaches the next multiple of `data.eval_every` (`eval_worker`);
 - slime compatibility: running a slime-style `async generate(args, sample, sampling_params)`
   inside the scheduler (`slime_compat`).
 
 Does not own: what an episode does (`env`, `envs/`), scheduling and HTTP to the engines (`rollout`),
-when evaluation runs during training (the trainer loop / `launch`), checkpoint files (`train`
-saves the `DataState` it is given).
+starting the evaluation worker beside a run and folding its results into the run summary
+(`launch`), checkpoint files (the rollout worker saves its `DataState` with `--data-state`).
 """
 
 from slime_async.data.build import build_envs, build_tasks, env_factory, load_state, open_source, row_format, save_state
