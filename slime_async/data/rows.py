@@ -62,10 +62,11 @@ def row_to_task(row: Any, fmt: RowFormat, place: str, default_id: str) -> Task:
         if not isinstance(meta, dict):
             raise BadRow(place, f"{fmt.metadata_key!r} must be an object, got {type(meta).__name__}")
         metadata.update(meta)
-    if fmt.env_key is not None:
-        env = row.get(fmt.env_key)
+    if fmt.env_key is not None and row.get(fmt.env_key) is not None:
+        # An absent value leaves the choice to the router (its default, or a bad row without one).
+        env = row[fmt.env_key]
         if not isinstance(env, str) or not env:
-            raise BadRow(place, f"missing environment key {fmt.env_key!r} (a non-empty string naming one of data.envs)")
+            raise BadRow(place, f"{fmt.env_key!r} must be a non-empty string naming one of data.envs, got {env!r}")
         metadata[ENV_METADATA_KEY] = env
     task_id = default_id
     if fmt.id_key is not None:

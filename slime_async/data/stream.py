@@ -35,6 +35,9 @@ class DataState(msgspec.Struct, kw_only=True):
     """Tasks handed out since the start of the run, over all epochs."""
     skipped: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Bad rows skipped since the start of the run."""
+    source: str = ""
+    """What the position is in: the source's name, row count, seed, shuffle and shard. A stream
+    refuses to resume from the position of another (the dataset or its order changed)."""
 
 
 class TooManyBadRows(ValueError):
@@ -76,7 +79,12 @@ class TaskStream(Iterator[Task]):
         self.source, self.fmt = source, fmt or RowFormat()
         self.shuffle, self.seed, self.epochs = shuffle, seed, epochs
         self.on_bad_row, self.max_skipped, self.validate = on_bad_row, max_skipped, validate
-        self._state = msgspec.structs.replace(state) if state is not None else DataState()
+        fingerprint = f"{source.name}:{len(source)}:seed={seed}:shuffle={shuffle}:shard={shard[0]}/{shard[1]}"
+        if state is not None and state.source and state.source != fingerprint:
+            raise ValueError(f"data state is of {state.source}, not of {fingerprint}: the dataset, seed or "
+                             "shard changed since it was saved; remove the state file to start over")
+        self._state = msgspec.structs.replace(state, source=fingerprint) if state is not None else \
+            DataState(source=fingerprint)
         self.errors: list[str] = []
         """The first bad rows' messages (at most MAX_KEPT_ERRORS), each naming its place."""
         self._order: np.ndarray | None = None

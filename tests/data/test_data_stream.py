@@ -13,6 +13,7 @@ from slime_async.data import (
     EnvRouter,
     IterableSource,
     JsonlSource,
+    RowFormat,
     TaskStream,
     UnknownEnv,
     build_envs,
@@ -116,3 +117,22 @@ def test_shards_split_each_epoch_between_workers() -> None:
         assert sorted(x for p in parts for x in p) == list(range(10))  # every row once per epoch, over the shards
     with pytest.raises(ValueError, match="0 <= index < count"):
         TaskStream(IterableSource(ROWS), shard=(3, 3))
+
+
+def test_a_state_of_another_dataset_or_order_is_refused() -> None:
+    state = TaskStream(IterableSource(ROWS, name="a"), shuffle=True, seed=1).state()
+    TaskStream(IterableSource(ROWS, name="a"), shuffle=True, seed=1, state=state)  # the same: fine
+    for other in (dict(name="b", seed=1), dict(name="a", seed=2)):
+        with pytest.raises(ValueError, match="the dataset, seed or shard changed"):
+            TaskStream(IterableSource(ROWS, name=other["name"]), shuffle=True, seed=other["seed"], state=state)
+
+
+def test_rows_without_an_env_value_go_to_the_default_env() -> None:
+    router = EnvRouter({"calc": EnvFactory.from_config("envs.calculator:CalculatorEnv"),
+                        "chat": EnvFactory.from_config("envs.chat:ChatEnv")}, default="chat")
+    rows = [{"prompt": "a", "label": 1, "env": "calc"}, {"prompt": "b", "label": 2},
+            {"prompt": "c", "label": 3, "env": 7}]
+    stream = TaskStream(IterableSource(rows), RowFormat(env_key="env"), validate=router.check)
+    tasks = list(stream)
+    assert [router.for_task(t).name for t in tasks] == ["envs.calculator:CalculatorEnv", "envs.chat:ChatEnv"]
+    assert stream.state().skipped == 1 and "'env' must be a non-empty string" in stream.errors[0]
