@@ -103,6 +103,7 @@ class RemoteReward:
         self._gate = asyncio.Semaphore(args.max_concurrency)
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._batcher: asyncio.Task | None = None
+        self._sending: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
 
     async def __aenter__(self) -> RemoteReward:
         return self
@@ -113,6 +114,8 @@ class RemoteReward:
     async def close(self) -> None:
         if self._batcher is not None:
             self._batcher.cancel()
+        for task in self._sending:
+            task.cancel()
         if self._session is not None:
             await self._session.close()
 
@@ -191,7 +194,9 @@ class RemoteReward:
             # call is never delayed, and a burst of concurrent calls becomes few requests.
             while len(batch) < self.args.batch_size and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
-            asyncio.create_task(self._send_batch(batch))  # noqa: RUF006 - it resolves its items' futures
+            task = asyncio.create_task(self._send_batch(batch))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     async def _send_batch(self, batch: list[_Item]) -> None:
         try:
