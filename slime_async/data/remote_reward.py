@@ -116,6 +116,10 @@ class RemoteReward:
             self._batcher.cancel()
         for task in self._sending:
             task.cancel()
+        queued = []
+        while not self._queue.empty():
+            queued.append(self._queue.get_nowait())
+        _fail(queued, RemoteRewardError(f"reward client for {self.args.url} closed"))
         if self._session is not None:
             await self._session.close()
 
@@ -206,10 +210,11 @@ class RemoteReward:
                 raise RemoteRewardError(f"reward model {self.args.url}: expected a list of {len(batch)} scores, "
                                         f"got {str(answer)[:200]}")
             values = [_reward_value(a, self.args.url) for a in answer]
+        except asyncio.CancelledError:
+            _fail(batch, RemoteRewardError(f"reward client for {self.args.url} closed"))
+            raise
         except Exception as exc:
-            for i in batch:
-                if not i.future.done():
-                    i.future.set_exception(exc if isinstance(exc, RemoteRewardError) else RemoteRewardError(str(exc)))
+            _fail(batch, exc if isinstance(exc, RemoteRewardError) else RemoteRewardError(str(exc)))
             return
         for i, v in zip(batch, values, strict=True):
             if not i.future.done():
@@ -253,6 +258,12 @@ class RemoteReward:
         except aiohttp.ClientError as exc:
             self.stats.errors["connection"] += 1
             raise _Retryable(f"{type(exc).__name__}: {exc}") from None
+
+
+def _fail(items: list[_Item], exc: Exception) -> None:
+    for i in items:
+        if not i.future.done():
+            i.future.set_exception(exc)
 
 
 def _text(prompt: Any) -> str:
