@@ -78,21 +78,23 @@ class HFSource:
         except ImportError as exc:  # pragma: no cover - datasets is a dependency
             raise ImportError("data.source: hf needs the `datasets` package (pip install datasets)") from exc
         local = Path(path)
-        try:
-            if (local / "dataset_info.json").is_file() or (local / "state.json").is_file():
-                loaded = datasets.load_from_disk(str(local))
-                if isinstance(loaded, datasets.DatasetDict):
-                    loaded = loaded[split]
-            elif local.is_file():
-                builder = _HF_BUILDERS.get(local.suffix)
-                if builder is None:
-                    raise ValueError(f"data.path {path}: unknown file type {local.suffix!r} "
-                                     f"(known: {', '.join(_HF_BUILDERS)})")
-                loaded = datasets.load_dataset(builder, data_files=str(local), split=split)
-            else:
-                loaded = datasets.load_dataset(path, split=split)
-        except KeyError:
-            raise ValueError(f"data.path {path}: no split {split!r} (data.split)") from None
+        if not local.exists() and (local.is_absolute() or path.startswith(".")):
+            raise FileNotFoundError(f"data.path {path} does not exist (a hub name looks like 'org/name')")
+        saved = ("dataset_info.json", "state.json", "dataset_dict.json")  # what `save_to_disk` writes
+        if any((local / name).is_file() for name in saved):
+            loaded = datasets.load_from_disk(str(local))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise ValueError(f"data.path {path}: no split {split!r} (data.split; it has {sorted(loaded)})")
+                loaded = loaded[split]
+        elif local.is_file():
+            builder = _HF_BUILDERS.get(local.suffix)
+            if builder is None:
+                raise ValueError(f"data.path {path}: unknown file type {local.suffix!r} "
+                                 f"(known: {', '.join(_HF_BUILDERS)})")
+            loaded = datasets.load_dataset(builder, data_files=str(local), split=split)
+        else:
+            loaded = datasets.load_dataset(path, split=split)
         self.dataset = loaded
         self.path = path
         self.split = split

@@ -102,13 +102,23 @@ def test_hf_dataset_saved_to_disk_and_parquet_file(tmp_path: Path) -> None:
     rows = {"prompt": ["p0", "p1", "p2"], "label": ["0", "1", "2"]}
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
     datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "data.parquet"))
-    for path in (tmp_path / "saved", tmp_path / "data.parquet"):
+    write_jsonl(tmp_path / "data.jsonl", [{"prompt": p, "label": x} for p, x in zip(rows["prompt"], rows["label"],
+                                                                                    strict=True)])
+    for path in (tmp_path / "saved", tmp_path / "data.parquet", tmp_path / "data.jsonl"):
         tasks = list(TaskStream(HFSource(str(path))))
         assert [(t.prompt, t.answer) for t in tasks] == [("p0", "0"), ("p1", "1"), ("p2", "2")]
     bad = datasets.Dataset.from_dict({"question": ["q"], "label": ["x"]})
     bad.save_to_disk(str(tmp_path / "bad"))
     with pytest.raises(BadRow, match=r"bad\[train\]\[0\]: missing prompt key"):
         next(TaskStream(HFSource(str(tmp_path / "bad")), on_bad_row="raise"))
+    datasets.DatasetDict({"train": bad}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(ValueError, match="no split 'test'"):
+        HFSource(str(tmp_path / "dict"), split="test")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        HFSource(str(tmp_path / "missing"))
+    (tmp_path / "data.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"unknown file type '\.txt'"):
+        HFSource(str(tmp_path / "data.txt"))
 
 
 def test_python_iterables_of_rows_or_tasks() -> None:
