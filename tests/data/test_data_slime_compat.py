@@ -131,3 +131,21 @@ def test_the_config_names_a_generate_function() -> None:
         build_envs(load_config(None, [f"env.name={SLIME_ENV_NAME}", "env.args={reward: x}"]))
     with pytest.raises(ValueError, match="cannot load 'no_such_module:fn'"):
         build_envs(load_config(None, [f"env.name={SLIME_ENV_NAME}", "env.args={generate: 'no_such_module:fn'}"]))
+
+
+async def test_offline_with_a_scripted_policy(tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from slime_async.env import ScriptedPolicy
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    factory = SlimeGenerateFactory(multi_turn_generate, args={"tokenizer": tok, "max_turns": 2})
+    policy = ScriptedPolicy(["first", "second"], tok, version=4)
+    t = await factory.episode(Task(id="t", prompt="hello"), policy, tok, sampling=Sampling(max_new_tokens=8))
+    assert t.stop_reason == StopReason.ENV_ERROR and "no reward" in t.error  # no reward given: said so
+    factory = SlimeGenerateFactory(multi_turn_generate, args={"tokenizer": tok, "max_turns": 2}, reward=length_reward)
+    policy = ScriptedPolicy(["first", "second"], tok, version=4)
+    t = await factory.episode(Task(id="t", prompt="hello"), policy, tok, sampling=Sampling(max_new_tokens=8))
+    assert t.stop_reason == StopReason.DONE and len(t.turns) == 2
+    assert [tok.decode(turn.completion_ids, skip_special_tokens=True) for turn in t.turns] == ["first", "second"]
+    assert all((turn.versions == 4).all() for turn in t.turns)
