@@ -55,13 +55,6 @@ def clear_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def not_yet(command: str, what: str, issue: int) -> NoReturn:
-    fail(
-        f"`slime-async {command}` is not available yet: {what} lands with issue #{issue}. "
-        "Available now: init-model, serve, rollout, config show, bench."
-    )
-
-
 def _load(config: Path, overrides: list[str] | None):  # -> Config
     """The validated config, with its model directory checked (made first if it is `tiny`)."""
     cfg = load_config(config, overrides or [])
@@ -73,10 +66,25 @@ def _load(config: Path, overrides: list[str] | None):  # -> Config
 
 @app.command()
 @clear_errors
-def train(config: ConfigArg, overrides: OverridesArg = None) -> None:
-    """Train: engines, rollout workers, buffer and trainer, fully asynchronous."""
-    _load(config, overrides)
-    not_yet("train", "the fully asynchronous training loop", 8)
+def train(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in <run.dir>/<run.name>.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Delete that run directory first.")] = False,
+) -> None:
+    """Train: buffer, engines, trainer and rollout workers as processes, fully asynchronous."""
+    from slime_async.launch.local import PartFailed
+    from slime_async.launch.train_run import train as run_training
+
+    cfg = _load(config, overrides)
+    try:
+        summary = run_training(cfg, resume=resume, overwrite=overwrite, console=console)
+    except (PartFailed, RuntimeError) as exc:
+        fail(str(exc))
+    last = summary["last"] or {}
+    console.print()
+    console.print(f"done: {summary['steps']} trainer steps in {summary['wall_s']:.0f} s, version "
+                  f"{last.get('version', 0)}; run directory {summary['run_dir']}")
 
 
 @app.command()

@@ -16,6 +16,7 @@ NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
 Probability = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+Beta = Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)]
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -217,19 +218,86 @@ class TrainConfig(_Section):
     """Optimizer steps to run."""
     lr: PositiveFloat = 1e-4
     loss: Literal["grpo", "dr_grpo", "gspo", "cispo", "ppo", "decoupled_ppo"] = "decoupled_ppo"
+    """The recipe: policy loss, advantage estimator and aggregation together (`train.objective`
+    lists each recipe's defaults). `decoupled_ppo` clips against the proximal policy and weights each
+    token by proximal/behaviour (capped); `ppo` has no behaviour correction."""
+    advantage: Literal["grpo", "grpo_no_std", "dr_grpo", "reinforce_pp"] | None = None
+    """Override the recipe's advantage estimator: group-normalised with std (`grpo`), without std
+    (`grpo_no_std`, same as `dr_grpo`), or REINFORCE++ with a group-mean baseline and batch whitening."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "group_mean"] | None = None
+    """Override the recipe's loss aggregation. `seq_mean_token_sum_norm` is Dr.GRPO's length-unbiased
+    form (token sums divided by `aggregation_norm`)."""
+    aggregation_norm: PositiveInt | None = None
+    """Constant divisor of `seq_mean_token_sum_norm`; None uses `max_seq_len`."""
+    clip_low: PositiveFloat | None = None
+    """Ratio clip below 1: ratios under 1 - clip_low are clipped. None: the recipe's (0.2; GSPO 3e-4)."""
+    clip_high: PositiveFloat | None = None
+    """Ratio clip above 1 (clip-higher when larger than clip_low). None: the recipe's (0.2; GSPO 4e-4;
+    CISPO 5.0, its only bound)."""
+    dual_clip: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
+    """Dual-clip constant c > 1: the loss of a negative-advantage token is at most -c * A. None disables."""
+    proximal: Literal["recompute", "behaviour"] = "recompute"
+    """Proximal logprobs (the PPO anchor): recomputed by the trainer before the step, or the engine's
+    behaviour logprobs taken as they are (cheaper; then the behaviour correction is 1)."""
+    behaviour_correction: Literal["none", "token", "sequence"] = "token"
+    """Truncated importance weight proximal/behaviour per token, or per sequence (exp of the summed
+    log-ratio), capped at `behaviour_cap`. Ignored by `ppo`."""
+    behaviour_cap: PositiveFloat = 2.0
+    """Cap of the proximal/behaviour weight."""
+    outlier_mask: Literal["none", "token", "sequence"] = "none"
+    """Mask tokens (or whole sequences) whose proximal/behaviour ratio leaves
+    [outlier_low, outlier_high]."""
+    outlier_low: PositiveFloat = 0.5
+    outlier_high: PositiveFloat = 2.0
+    kl_coef: NonNegativeFloat = 0.0
+    """Weight of the KL penalty to the reference (initial) model; 0 loads no reference."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Schulman's estimators of KL(policy || reference) from sampled tokens."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Add the KL penalty to the loss, or subtract it from the rewards (per-token reward-to-go)."""
+    entropy_coef: NonNegativeFloat = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    steps_per_batch: PositiveInt = 1
+    """Optimizer steps on each batch; each step after the first adds one version of staleness."""
     micro_batch_size: PositiveInt = 16
     """Sequences per forward/backward; gradients accumulate over the batch."""
+    max_seq_len: PositiveInt = 4096
+    """Longest sequence (all turns, prompt and completion tokens) the trainer takes."""
+    overlong: Literal["truncate", "skip"] = "truncate"
+    """A longer trajectory is cut to `max_seq_len` or skipped; either is counted."""
     grad_clip: NonNegativeFloat = 1.0
     """Max gradient norm; 0 disables clipping."""
+    weight_decay: NonNegativeFloat = 0.0
+    adam_betas: tuple[Beta, Beta] = (0.9, 0.999)
+    adam_eps: PositiveFloat = 1e-8
+    batch_timeout_s: PositiveFloat = 5.0
+    """How long one `get_batch` call waits before the loop checks engines and asks again."""
     checkpoint_every: NonNegativeInt = 50
     """Save a checkpoint every this many steps; 0 only at the end."""
+    keep_checkpoints: PositiveInt = 2
+    """Most recent checkpoints kept; older ones are deleted."""
 
 
 class SyncConfig(_Section):
     mode: Literal["tensor", "disk", "nccl"] = "tensor"
     """How weights reach the engines: serialized tensors over HTTP, safetensors on disk, or NCCL."""
-    bucket_mb: PositiveInt = 512
-    """Largest single weight-update request."""
+    bucket_mb: PositiveFloat = 512
+    """Largest single weight-update request (MB); a larger tensor goes alone."""
+    retries: NonNegativeInt = 3
+    """Extra attempts of a failed push to one engine (the whole push again, never a partial one)."""
+    retry_backoff_s: NonNegativeFloat = 0.5
+    """First wait between attempts; doubles each time."""
+    timeout_s: PositiveFloat = 120.0
+    """Per HTTP request."""
+    disk_dir: str | None = None
+    """Where disk mode writes `v<version>/model.safetensors` (a filesystem the engines share).
+    None: `<run dir>/weights`."""
+    keep_disk_versions: PositiveInt = 2
+    """Disk mode keeps this many newest versions (an engine may still be reading the previous one)."""
+    nccl_master_address: str = "127.0.0.1"
+    """Address the engines reach the trainer's rank 0 at (nccl mode)."""
+    nccl_master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Port of the NCCL rendezvous; 0 picks a free one."""
 
 
 class LogConfig(_Section):

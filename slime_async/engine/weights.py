@@ -24,12 +24,14 @@ def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
     return base64.b64encode(save_safetensors(plain)).decode("ascii")
 
 
-def decode_named_tensors(serialized: list[str]) -> dict[str, torch.Tensor]:
-    """The inverse of `encode_named_tensors` over a list; a ValueError names the bad item."""
+def decode_named_tensors(serialized: list[bytes] | list[str]) -> dict[str, torch.Tensor]:
+    """The inverse of `encode_named_tensors` over a list (items already base64-decoded, or base64
+    strings); a ValueError names the bad item."""
     tensors: dict[str, torch.Tensor] = {}
     for i, item in enumerate(serialized):
         try:
-            tensors.update(load_safetensors(base64.b64decode(item, validate=True)))
+            raw = base64.b64decode(item, validate=True) if isinstance(item, str) else item
+            tensors.update(load_safetensors(raw))
         except Exception as exc:
             raise ValueError(f"serialized_named_tensors[{i}]: not base64 of a safetensors file ({exc})") from None
     return tensors

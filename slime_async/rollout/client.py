@@ -308,6 +308,23 @@ class SGLangClient:
                             server.healthy, server.failures = True, 0
                             log.info("server %s is healthy again", server.url)
 
+    async def refresh_version(self) -> int:
+        """Ask every healthy server for its weight version (`/get_model_info`); returns the newest.
+
+        Answers to /generate carry the version too, but a scheduler whose admission is blocked sends
+        none: this is how it learns that the trainer moved on.
+        """
+        assert self._session is not None
+        for server in self.servers.values():
+            if not server.healthy:
+                continue
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError,
+                                     KeyError, TypeError):
+                async with self._session.get(server.url + "/get_model_info",
+                                             timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    self._saw_version(int((await r.json(content_type=None))["weight_version"]))
+        return self.latest_version
+
     async def check_health(self) -> dict[str, bool]:
         """Probe every server now; returns url -> healthy."""
         assert self._session is not None

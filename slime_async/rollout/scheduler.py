@@ -135,7 +135,9 @@ class Scheduler:
 
     async def run(self, num_groups: int | None = None) -> RolloutStats:
         """Run until `num_groups` groups finished (or the tasks run out, or `stop()`); returns the stats."""
-        groups: set[asyncio.Task] = set()
+        groups: dict[asyncio.Task, asyncio.Future] = {}
+        stopping = asyncio.ensure_future(self._stop.wait())
+        watcher = asyncio.ensure_future(self._watch_version())
         try:
             for count in itertools.count():
                 if (num_groups is not None and count >= num_groups) or self._stop.is_set():
@@ -145,23 +147,37 @@ class Scheduler:
                     break
                 admitted: asyncio.Future = asyncio.get_running_loop().create_future()
                 group = asyncio.create_task(self._run_group(task, admitted))
-                groups.add(group)
-                group.add_done_callback(groups.discard)
+                groups[group] = admitted
+                group.add_done_callback(lambda g: groups.pop(g, None))
                 # Start the next group only once this one's episodes are all admitted: admission
                 # order is then group order, and a full budget holds back whole groups.
-                await asyncio.wait({admitted, group}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({admitted, group, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if self._stop.is_set():
+                for group, admitted in list(groups.items()):
+                    if not admitted.done():  # still waiting for admission: give up the rest of it
+                        group.cancel()
             if groups:
-                await asyncio.gather(*groups)
+                await asyncio.gather(*groups, return_exceptions=True)
         finally:
-            for g in groups:
+            stopping.cancel()
+            watcher.cancel()
+            for g in list(groups):
                 g.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*groups, return_exceptions=True)
         return self.stats
 
+    async def _watch_version(self, interval: float = 0.5) -> None:
+        """While admission is blocked, ask the engines for their version: with nothing in flight no
+        answer would bring it, and the run would wait forever for a trainer that already moved on."""
+        while True:
+            await asyncio.sleep(interval)
+            if not self.budget.can_start():
+                await self.client.refresh_version()
+
     async def _run_group(self, task: Task, admitted: asyncio.Future) -> None:
         group_id = new_id()
-        episodes = []
+        episodes: list[asyncio.Task] = []
         # A router (several environments in one run) picks the task's own; a plain factory is itself.
         try:
             factory = self.factory.for_task(task)
@@ -176,6 +192,16 @@ class Scheduler:
                 await self._slots.acquire()
                 self.stats.started += 1
                 episodes.append(asyncio.create_task(self._run_one(factory, task, group_id, i)))
+        except asyncio.CancelledError:
+            # Stopped before the group was whole: its started episodes end (ABORTED at their next
+            # model call) and are dropped, counted, so that nothing started goes unaccounted.
+            for result in await asyncio.gather(*episodes, return_exceptions=True):
+                await self.budget.release(kept=False)
+                self.stats.finished += 1
+                self.stats.dropped["aborted"] += 1
+                if isinstance(result, Trajectory):
+                    self.stats.stop_reasons[result.stop_reason.value] += 1
+            raise
         finally:
             if not admitted.done():
                 admitted.set_result(None)

@@ -1,7 +1,18 @@
-"""Train: turning trajectories into better weights.
+"""Train: turning trajectories into better weights, correcting for the older policies that made them.
 
-Owns: losses and advantages (pure functions of tensors), the trainer loop, the backends (`torch`,
-`megatron`), checkpoints, and the tiny local model that `slime-async init-model` makes
-(`tiny_model`). Does not own: inference, or how weights reach the engines (that is `sync`).
-Filled so far: `tiny_model`; the rest lands with the trainer issue.
+Owns:
+- `advantages`, `losses`: pure functions of tensors with per-token masks — GRPO (with/without std),
+  Dr.GRPO, REINFORCE++-baseline; PPO-clip (clip-higher, dual-clip), GSPO, CISPO; decoupled PPO's
+  capped proximal/behaviour weight, token- and sequence-level truncated IS, outlier masking; KL
+  (k1/k2/k3) in reward or loss; entropy bonus; token/sequence/group aggregation; off-policy metrics.
+- `objective`: the configured composition of those (`train.loss` recipes and overrides).
+- `batch`: `list[Trajectory]` -> padded tensors; bad trajectories skipped or truncated, counted.
+- `backend` (the interface) and `torch_backend`: model, optimizer, device, micro-batching.
+- `loop`: the continuous `Trainer` over a `BatchSource` (the buffer implements it), publishing
+  through `sync`; `checkpoint`: save/resume with the opaque state of other parts; `build`:
+  `build_trainer(config, source, engine_urls)`; `memory_source`: an in-memory `BatchSource`.
+- `tiny_model`: the local model that `slime-async init-model` makes.
+
+Does not own: inference; how weights travel to engines (`sync`); which trajectories are ready or
+too stale (`buffer`); starting processes (`launch`).
 """

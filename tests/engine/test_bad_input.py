@@ -49,7 +49,8 @@ async def test_bad_requests_get_400_naming_the_field(engine_url: str, path: str,
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        (b'{"serialized_named_tensors": ["%%%"]}', "serialized_named_tensors[0]: not base64 of a safetensors file"),
+        (b'{"serialized_named_tensors": ["%%%"]}',
+         "Invalid base64 encoded string - at `$.serialized_named_tensors[0]`"),
         (b'{"serialized_named_tensors": ["aGVsbG8="]}', "serialized_named_tensors[0]: not base64"),
         (b'{"serialized_named_tensors": "x"}', "$.serialized_named_tensors"),
         (b'{"weight_version": "2"}', "missing required field `serialized_named_tensors`"),

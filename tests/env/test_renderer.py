@@ -130,3 +130,21 @@ def test_tokenizer_without_template_is_refused(tokenizer: Any) -> None:
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         Renderer(tok)
+
+
+def test_constant_generation_prompt_is_found_once_and_matches_full_rendering(tokenizer: Any) -> None:
+    """The shortcut (render without the prompt, append it) must give exactly what the template gives."""
+    import copy
+
+    renderer = Renderer(tokenizer)
+    assert renderer._gen_prompt == "<|im_start|>assistant\n"
+    conversation = [Message(role="user", content="2+3?"), Message(role="assistant", content="", tool_calls=[]),
+                    Message(role="tool", content="5", name="calculate")]
+    assert renderer.render(conversation, True) == renderer._render(conversation, True)
+    # a template whose prompt depends on the conversation gets no shortcut
+    odd = copy.deepcopy(tokenizer)
+    odd.chat_template = odd.chat_template.replace(
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n",
+        "{%- if add_generation_prompt %}<|im_start|>assistant{{ messages|length }}\n")
+    assert odd.chat_template != tokenizer.chat_template
+    assert Renderer(odd)._gen_prompt is None

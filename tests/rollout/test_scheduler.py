@@ -121,3 +121,33 @@ async def test_an_engine_killed_mid_run_fails_over(varied_model_dir: Path, token
     finally:
         for p in procs:
             p.stop()
+
+
+async def test_stop_while_waiting_for_admission_accounts_for_everything(engines, tokenizer) -> None:
+    """Stopped with a group half admitted (the budget is full): it returns, and nothing started is lost."""
+    sink = ListSink()
+    async with SGLangClient([engines[0].url]) as client:
+        scheduler = make(client, tokenizer, sink, group_size=4, batch_size=6, max_staleness=0)
+        run = asyncio.ensure_future(scheduler.run(num_groups=3))
+        await until(lambda: scheduler.stats.sent == 4 and scheduler.budget.waits >= 1)
+        scheduler.stop()  # the second group has 2 episodes admitted and waits for 2 more slots
+        stats = await asyncio.wait_for(run, 120)
+    assert stats.started == 6 and stats.sent == 4 and stats.dropped == {"aborted": 2}
+    assert stats.balanced() and scheduler.budget.running == 0
+
+
+async def test_blocked_admission_learns_the_new_version_from_the_engines(engines, tokenizer) -> None:
+    """Nothing in flight, budget full: the scheduler asks the engines and goes on once they serve v1."""
+    from helpers import post
+
+    url = engines[1].url
+    sink = ListSink()
+    async with SGLangClient([url]) as client:
+        scheduler = make(client, tokenizer, sink, batch_size=4, max_staleness=0)
+        run = asyncio.ensure_future(scheduler.run(num_groups=2))
+        await until(lambda: scheduler.stats.sent == 4 and scheduler.budget.waits >= 1)
+        status, _ = await post(url, "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
+        assert status == 200
+        stats = await asyncio.wait_for(run, 120)  # no set_version call: learned from /get_model_info
+        assert stats.sent == 8 and scheduler.budget.version == 1
+        await post(url, "/update_weight_version", {"new_version": "0", "abort_all_requests": False})

@@ -1,0 +1,106 @@
+"""`slime-async train`: a run directory, every part as a process, a live view, a summary at the end.
+
+The run directory `<run.dir>/<run.name>` holds the resolved config (`config.yaml`, what every part
+reads), `logs/` (one file per part), `metrics.jsonl` (one line per trainer step, written by the
+trainer), the buffer's WAL and the checkpoints. `--resume` continues a run from them; without it,
+an existing run directory is refused rather than overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from slime_async.config import Config, ConfigError, to_yaml
+from slime_async.launch.local import LocalLauncher
+
+
+def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool) -> tuple[Path, Path]:
+    """Create (or reopen with `resume`) the run directory; write the resolved config. Returns both paths."""
+    run_dir = Path(cfg.run.dir) / cfg.run.name
+    if run_dir.exists() and any(run_dir.iterdir()) and not (resume or overwrite):
+        raise ConfigError(f"run.name: {run_dir} already holds a run; pass --resume to continue it, "
+                          "--overwrite to start over, or choose another run.name")
+    if overwrite and not resume and run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(to_yaml(cfg))
+    return run_dir, config_path
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written
+    return out
+
+
+def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: Console | None = None) -> dict:
+    """Run the whole asynchronous loop locally until the trainer has done `train.steps` steps."""
+    console = console or Console()
+    run_dir, config_path = prepare_run_dir(cfg, resume, overwrite)
+    launcher = LocalLauncher(cfg, config_path, run_dir)
+    started = time.monotonic()
+    with console.status("starting buffer, engines, trainer and rollout workers ..."):
+        launcher.start(on_event=lambda message: console.print(f"[yellow]{message}[/]"))
+    metrics_path = run_dir / "metrics.jsonl"
+    try:
+        with Live(_view(cfg, [], started), console=console, refresh_per_second=1) as live:
+            def done() -> bool:
+                live.update(_view(cfg, read_metrics(metrics_path), started))
+                return False
+
+            launcher.supervise(done)
+        stop_rollout(launcher)  # what the workers finished reaches the buffer before it is counted
+        buffer_metrics = _buffer_metrics(launcher, cfg)
+    finally:
+        launcher.shutdown()
+    records = read_metrics(metrics_path)
+    summary = {"steps": len(records), "wall_s": time.monotonic() - started, "events": launcher.events,
+               "last": records[-1] if records else None, "buffer": buffer_metrics, "run_dir": str(run_dir)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def stop_rollout(launcher: LocalLauncher) -> None:
+    for part in launcher.parts:
+        if part.name.startswith("rollout") and part.child is not None:
+            part.child.stop(timeout=60)
+
+
+def _buffer_metrics(launcher: LocalLauncher, cfg: Config) -> dict[str, int] | None:
+    """received = trained + buffered + dropped, as the buffer counts them at the end of the run."""
+    from slime_async.buffer import BufferClient
+
+    client = BufferClient(launcher.buffer_endpoint, curve_dir=cfg.buffer.curve_dir)
+    try:
+        return client.metrics(timeout=10)
+    except TimeoutError:
+        return None
+    finally:
+        client.close()
+
+
+def _view(cfg: Config, records: list[dict[str, Any]], started: float) -> Table:
+    table = Table(title=f"slime-async train: {cfg.run.name}", show_header=False)
+    last = records[-1] if records else {}
+    table.add_row("step", f"{last.get('version', 0)} / {cfg.train.steps}")
+    table.add_row("elapsed", f"{time.monotonic() - started:.0f} s")
+    for key in ("loss", "grad_norm", "reward_mean", "max_staleness", "trajectories"):
+        if key in last:
+            value = last[key]
+            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    return table

@@ -1,0 +1,18 @@
+"""Sync: getting the trainer's weights into every inference engine, in place, with their version.
+
+Owns: publishing named weights (HF names) to engines over SGLang's HTTP API in three modes —
+`tensor` (`/update_weights_from_tensor`, bucketed to `sync.bucket_mb`), `disk`
+(`/update_weights_from_disk`, safetensors written atomically) and `nccl`
+(`/init_weights_update_group` + `/update_weights_from_distributed`, for GPU fleets) — with
+retries; the pause/continue protocol that makes a bucketed push all-or-nothing; the weight version
+on the wire (the decimal number of optimizer steps) and finding engines that missed an update
+(`/get_model_info`) to bring them up to date.
+
+Does not own: the optimizer or which weights to send (`train`), starting or restarting engines
+(`launch`), or how the rollout side learns the version (it reads the engines' `weight_version`:
+this is how a new version reaches the scheduler's admission control).
+"""
+
+from slime_async.sync.publisher import PublishReport, PushError, WeightPublisher
+
+__all__ = ["PublishReport", "PushError", "WeightPublisher"]

@@ -1,0 +1,52 @@
+"""Disk mode: one safetensors file per version, written so that a reader never sees half of it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+WEIGHTS_FILE = "model.safetensors"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+def write_version(root: Path, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> Path:
+    """Write `root/v<version>/model.safetensors` atomically and return the directory.
+
+    The file is written and fsynced in a temporary directory next to it, which is then renamed:
+    an engine told to load `v<version>` finds either nothing or the whole file.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"v{version}"
+    tmp = root / f".v{version}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.mkdir()
+    try:
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in named}
+        path = tmp / WEIGHTS_FILE
+        save_file(tensors, str(path), metadata={"format": "pt", "weight_version": str(version)})
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        if final.exists():  # the same version written again (a resumed run): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def prune_versions(root: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest `v<N>` directories (and stale temporaries); returns what went."""
+    versions = sorted(
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()
+    ) if root.is_dir() else []
+    removed = [p for _, p in versions[:-keep]] if keep > 0 else [p for _, p in versions]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed

@@ -1,0 +1,307 @@
+"""Publishing the trainer's weights to every engine, in place, over SGLang's HTTP API.
+
+One push to one engine, in tensor mode with more than one bucket:
+`/pause_generation {mode: in_place}` -> every bucket to `/update_weights_from_tensor` (the version
+only on the last) -> `/continue_generation`. Each request is applied by the engine all or nothing;
+the pause makes the whole push so: no token is generated from a mix of two versions, and an engine
+whose push failed half-way stays paused (it never serves half-updated weights) until a retry, the
+next publish or `reconcile` completes it. One bucket needs no pause. A failed push is retried from
+the start (the whole push, never the rest of one).
+
+An engine's version is what its `/get_model_info` reports (`weight_version`, the decimal number of
+optimizer steps). An engine that missed an update (it was down, or restarted with its initial
+weights) reports an older version: `publish` pushes to every engine anyway and counts it, and
+`reconcile` finds and updates such engines between publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import torch
+from safetensors.torch import save as save_safetensors
+
+from slime_async.config.schema import SyncConfig
+from slime_async.sync.buckets import bucket_named_tensors
+from slime_async.sync.disk import prune_versions, write_version
+
+log = logging.getLogger(__name__)
+
+NamedWeights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+"""Called once per publish: yields (HF name, tensor) for every parameter (`TrainerBackend.named_weights`)."""
+
+
+def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """A safetensors file in memory. msgspec writes bytes as base64, so the request carries exactly
+    what `engine.weights.encode_named_tensors` makes (base64 of a safetensors file) without the extra
+    copies of building the base64 string first."""
+    plain: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:  # tied weights share storage, which safetensors refuses
+            t = t.clone()
+        seen.add(t.data_ptr())
+        plain[name] = t
+    return save_safetensors(plain)
+
+
+class PushError(RuntimeError):
+    """An engine refused or failed a weight update; the message names the engine and the endpoint."""
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        """False when retrying cannot help (the engine does not implement the endpoint: HTTP 501)."""
+
+
+@dataclass
+class PublishReport:
+    version: int
+    seconds: float
+    """Wall time of the whole publish (version checks, serialisation, every engine's push)."""
+    bytes: int
+    buckets: int
+    updated: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    """Engines still not on `version` after all retries, with the last error."""
+    missed: list[str] = field(default_factory=list)
+    """Engines found on an older version than the previous publish (they had missed an update)."""
+    attempts: int = 0
+    prepare_seconds: float = 0.0
+    """Of `seconds`, the trainer side's serialisation (tensor: safetensors + base64 bodies; disk: the file)."""
+
+
+class WeightPublisher:
+    """Pushes weights to a fixed list of engine URLs. Use as `async with WeightPublisher(...) as pub`
+    (or call `close()` when done)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        cfg: SyncConfig,
+        *,
+        disk_dir: Path | None = None,
+        admin_token: str | None = None,
+    ) -> None:
+        if not urls:
+            raise ValueError("sync: no engine URLs to publish weights to")
+        if cfg.mode == "disk" and disk_dir is None:
+            raise ValueError("sync.mode=disk needs a directory (sync.disk_dir) that the engines can read")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.cfg = cfg
+        self.disk_dir = disk_dir
+        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.published: int | None = None
+        """The last version every engine confirmed (None before the first publish)."""
+        self._session: aiohttp.ClientSession | None = None
+        self._nccl: Any = None
+        self._paused: set[str] = set()
+        """Engines this publisher paused and has not resumed yet (a push failed half-way)."""
+
+    async def __aenter__(self) -> WeightPublisher:
+        _ = self.session
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._nccl is not None:
+            self._nccl.close()
+            self._nccl = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """Made on first use (inside the running loop); `close()` (or leaving `async with`) ends it."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s))
+        return self._session
+
+    # --- HTTP ---------------------------------------------------------------------------
+
+    async def _post(self, url: str, path: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
+        """POST a JSON body (a dict, or one already encoded); PushError names the engine and endpoint."""
+        data = body if isinstance(body, bytes) else msgspec.json.encode(body)
+        try:
+            async with self.session.post(url + path, data=data,
+                                         headers={**self.headers, "Content-Type": "application/json"}) as r:
+                text = await r.text()
+                status = r.status
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise PushError(f"{url}{path}: {type(exc).__name__}: {exc}") from None
+        try:
+            out = json.loads(text) if text.strip().startswith("{") else {"message": text}
+        except ValueError:
+            out = {"message": text}
+        if status != 200 or out.get("success") is False:
+            message = out.get("message") or (out.get("error") or {}).get("message") or text
+            raise PushError(f"{url}{path}: HTTP {status}: {message}", retryable=status != 501)
+        return out
+
+    async def engine_version(self, url: str) -> int | None:
+        """The version an engine reports, or None when it cannot be reached or reports no number."""
+        try:
+            async with self.session.get(url + "/get_model_info", headers=self.headers) as r:
+                if r.status != 200:
+                    return None
+                info = await r.json()
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None
+        try:
+            return int(info.get("weight_version"))
+        except (TypeError, ValueError):
+            return None
+
+    async def engine_versions(self) -> dict[str, int | None]:
+        versions = await asyncio.gather(*(self.engine_version(u) for u in self.urls))
+        return dict(zip(self.urls, versions, strict=True))
+
+    async def set_version(self, version: int) -> None:
+        """Stamp `version` on every engine without new weights (e.g. after a resume that loaded them)."""
+        await asyncio.gather(*(self._post(u, "/update_weight_version",
+                                          {"new_version": str(version), "abort_all_requests": False})
+                               for u in self.urls))
+
+    # --- publishing -----------------------------------------------------------------------
+
+    async def publish(self, weights: NamedWeights, version: int, urls: list[str] | None = None) -> PublishReport:
+        """Push the weights that `weights()` yields to every engine (or `urls`) as `version`."""
+        if version < 0:
+            raise ValueError(f"weight version must be >= 0, got {version}")
+        targets = [u.rstrip("/") for u in urls] if urls is not None else self.urls
+        start = time.perf_counter()
+        before = await asyncio.gather(*(self.engine_version(u) for u in targets))
+        missed = [u for u, v in zip(targets, before, strict=True)
+                  if self.published is not None and v is not None and v < self.published]
+        for u in missed:
+            log.warning("engine %s reports version older than %s: it missed an update; bringing it up to date",
+                        u, self.published)
+        prepared = time.perf_counter()
+        push, nbytes, nbuckets = await self._prepare(weights, version)
+        prepare_seconds = time.perf_counter() - prepared
+        results = await asyncio.gather(*(self._push_with_retries(push, u) for u in targets))
+        report = PublishReport(version=version, seconds=0.0, bytes=nbytes, buckets=nbuckets, missed=missed,
+                               prepare_seconds=prepare_seconds)
+        for url, (attempts, error) in zip(targets, results, strict=True):
+            report.attempts += attempts
+            if error is None:
+                report.updated.append(url)
+            else:
+                report.failed[url] = error
+        if not report.failed and urls is None:
+            self.published = version
+        if self.cfg.mode == "disk" and self.disk_dir is not None:
+            await asyncio.to_thread(prune_versions, self.disk_dir, self.cfg.keep_disk_versions)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    async def reconcile(self, weights: NamedWeights, version: int) -> list[str]:
+        """Find engines not on `version` and push to them; returns the URLs that were behind."""
+        versions = await self.engine_versions()
+        behind = [u for u, v in versions.items() if v != version]
+        if behind:
+            report = await self.publish(weights, version, urls=behind)
+            if report.failed:
+                log.warning("reconcile: engines still behind version %s: %s", version, report.failed)
+        return behind
+
+    async def _prepare(self, weights: NamedWeights, version: int) -> tuple[Callable[[str], Any], int, int]:
+        """Serialise once for all engines; returns the per-engine push coroutine factory."""
+        mode = self.cfg.mode
+        limit = int(self.cfg.bucket_mb * 1024 * 1024)
+        if mode == "tensor":
+            def encode() -> tuple[list[bytes], int, int]:
+                buckets = bucket_named_tensors(weights(), limit)
+                nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
+                bodies = []
+                for i, bucket in enumerate(buckets):
+                    last = i == len(buckets) - 1
+                    body: dict[str, Any] = {"serialized_named_tensors": [_safetensors_bytes(bucket)],
+                                            "flush_cache": last}
+                    if last:
+                        body["weight_version"] = str(version)
+                    # one request body per bucket, shared by every engine
+                    bodies.append(msgspec.json.encode(body))
+                return bodies, nbytes, len(buckets)
+
+            payloads, nbytes, nbuckets = await asyncio.to_thread(encode)
+
+            async def push_tensor(url: str) -> None:
+                await self._push_tensor(url, payloads, version)
+
+            return push_tensor, nbytes, nbuckets
+        if mode == "disk":
+            assert self.disk_dir is not None
+            disk_dir = self.disk_dir
+
+            def write() -> tuple[Path, int]:
+                named = list(weights())
+                return write_version(disk_dir, version, named), sum(t.numel() * t.element_size() for _, t in named)
+
+            path, nbytes = await asyncio.to_thread(write)
+
+            async def push_disk(url: str) -> None:
+                await self._post(url, "/update_weights_from_disk",
+                                 {"model_path": str(path.resolve()), "weight_version": str(version)})
+
+            return push_disk, nbytes, 1
+        if mode == "nccl":
+            from slime_async.sync.nccl import NcclBroadcaster
+
+            if self._nccl is None:
+                self._nccl = NcclBroadcaster(self, self.cfg)
+            named = list(weights())
+            buckets = bucket_named_tensors(named, limit)
+            nbytes = sum(t.numel() * t.element_size() for _, t in named)
+            nccl = self._nccl
+            shared: list[asyncio.Future] = []
+
+            async def push_nccl(url: str) -> None:
+                # one broadcast reaches every engine: the per-engine pushes share it (a failed one restarts)
+                if not shared or (shared[0].done() and shared[0].exception() is not None):
+                    shared[:] = [asyncio.ensure_future(nccl.push(buckets, version))]
+                await asyncio.shield(shared[0])
+
+            return push_nccl, nbytes, len(buckets)
+        raise ValueError(f"sync.mode: expected tensor, disk or nccl, got {mode!r}")
+
+    async def _push_tensor(self, url: str, bodies: list[bytes], version: int) -> None:
+        if len(bodies) > 1:
+            await self._post(url, "/pause_generation", {"mode": "in_place"})
+            self._paused.add(url)
+        for body in bodies:
+            await self._post(url, "/update_weights_from_tensor", body)
+
+    async def _push_with_retries(self, push: Callable[[str], Any], url: str) -> tuple[int, str | None]:
+        """(attempts made, last error or None)."""
+        error = None
+        for attempt in range(self.cfg.retries + 1):
+            if attempt:
+                # backoff before retrying a refused or failed push (not a wait on a condition)
+                await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                await push(url)
+                if url in self._paused:  # whole again: serve (also after an earlier half-done push)
+                    await self._post(url, "/continue_generation", {})
+                    self._paused.discard(url)
+                return attempt + 1, None
+            except PushError as exc:
+                error = str(exc)
+                if not exc.retryable:
+                    return attempt + 1, error
+                log.warning("weight push to %s failed (attempt %d of %d): %s",
+                            url, attempt + 1, self.cfg.retries + 1, error)
+        return self.cfg.retries + 1, error

@@ -1,0 +1,150 @@
+"""From `list[Trajectory]` to padded tensors, skipping or truncating bad trajectories (counted).
+
+Each trajectory becomes one row: its turns concatenated (`Trajectory.flat()`), right-padded to the
+longest row. Per-token tensors are aligned with the tokens: entry t of `behaviour_logprobs` is the
+engine's log p(token t | tokens before t), and `loss_mask[t]` says whether token t trains. Token 0
+never trains (nothing precedes it to predict it from).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from slime_async.types import Trajectory
+
+SkipReason = Literal["nan_reward", "nan_logprob", "bad_token", "overlong", "no_trainable_tokens"]
+
+
+@dataclass
+class Batch:
+    """Padded rows of one training batch (CPU tensors; the backend moves them to its device)."""
+
+    input_ids: torch.Tensor
+    """[N, T] int64, right-padded with 0."""
+    attention_mask: torch.Tensor
+    """[N, T] int64: 1 on real tokens."""
+    loss_mask: torch.Tensor
+    """[N, T] float32: 1 on tokens that train."""
+    behaviour_logprobs: torch.Tensor
+    """[N, T] float32: the engine's logprobs (0 on prompt and padding)."""
+    rewards: torch.Tensor
+    """[N] float32."""
+    group_index: torch.Tensor
+    """[N] int64: dense group ids 0..G-1 (trajectories of one `group_id` share one)."""
+    min_versions: torch.Tensor
+    """[N] int64: oldest weight version among each row's generated tokens (-1 if none)."""
+    trajectory_ids: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def rows(self, start: int, stop: int) -> Batch:
+        """Rows start..stop, trimmed to their own longest sequence (a micro-batch)."""
+        length = max(1, int(self.attention_mask[start:stop].sum(dim=1).max())) if stop > start else 1
+        return Batch(
+            input_ids=self.input_ids[start:stop, :length],
+            attention_mask=self.attention_mask[start:stop, :length],
+            loss_mask=self.loss_mask[start:stop, :length],
+            behaviour_logprobs=self.behaviour_logprobs[start:stop, :length],
+            rewards=self.rewards[start:stop],
+            group_index=self.group_index[start:stop],
+            min_versions=self.min_versions[start:stop],
+            trajectory_ids=self.trajectory_ids[start:stop],
+        )
+
+
+@dataclass
+class BuildResult:
+    batch: Batch | None
+    """None when nothing trainable is left."""
+    skipped: Counter[str]
+    """Trajectories left out, by reason (`SkipReason`)."""
+    truncated: int
+    """Trajectories cut to `max_seq_len` (still trained on the part that remains)."""
+
+
+def build_batch(
+    trajectories: list[Trajectory],
+    max_seq_len: int,
+    overlong: Literal["truncate", "skip"] = "truncate",
+    vocab_size: int | None = None,
+) -> BuildResult:
+    """Rows for `trajectories`; bad ones are skipped with a counted reason, never raised.
+
+    A trajectory is skipped when its reward is not finite, when a trained token's logprob is not
+    finite (or positive), when a token id is outside `vocab_size`, when it is longer than
+    `max_seq_len` and `overlong` is `skip`, or when nothing in it trains (after truncation).
+    """
+    if max_seq_len < 2:
+        raise ValueError(f"train.max_seq_len: must be at least 2, got {max_seq_len}")
+    skipped: Counter[str] = Counter()
+    truncated = 0
+    kept: list[tuple[Trajectory, np.ndarray, np.ndarray, np.ndarray]] = []
+    for traj in trajectories:
+        if not np.isfinite(traj.reward):
+            skipped["nan_reward"] += 1
+            continue
+        ids, logprobs, mask = traj.flat()
+        mask = mask.astype(np.float32)
+        if len(mask):
+            mask[0] = 0.0  # token 0 has no context to be predicted from
+        trained = mask > 0
+        if trained.any() and not (np.isfinite(logprobs[trained]).all() and (logprobs[trained] <= 0).all()):
+            skipped["nan_logprob"] += 1
+            continue
+        if vocab_size is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            skipped["bad_token"] += 1
+            continue
+        if len(ids) > max_seq_len:
+            if overlong == "skip":
+                skipped["overlong"] += 1
+                continue
+            ids, logprobs, mask = ids[:max_seq_len], logprobs[:max_seq_len], mask[:max_seq_len]
+            truncated += 1
+        if not (mask > 0).any():
+            skipped["no_trainable_tokens"] += 1
+            continue
+        kept.append((traj, ids, logprobs, mask))
+    if not kept:
+        return BuildResult(None, skipped, truncated)
+    n, length = len(kept), max(len(k[1]) for k in kept)
+    input_ids = torch.zeros(n, length, dtype=torch.int64)
+    attention = torch.zeros(n, length, dtype=torch.int64)
+    loss_mask = torch.zeros(n, length, dtype=torch.float32)
+    behaviour = torch.zeros(n, length, dtype=torch.float32)
+    groups: dict[str, int] = {}
+    for i, (traj, ids, logprobs, mask) in enumerate(kept):
+        k = len(ids)
+        input_ids[i, :k] = torch.from_numpy(ids.astype(np.int64))
+        attention[i, :k] = 1
+        loss_mask[i, :k] = torch.from_numpy(mask)
+        behaviour[i, :k] = torch.from_numpy(np.where(mask > 0, logprobs, 0.0).astype(np.float32))
+        groups.setdefault(traj.group_id, len(groups))
+    return BuildResult(
+        Batch(
+            input_ids=input_ids,
+            attention_mask=attention,
+            loss_mask=loss_mask,
+            behaviour_logprobs=behaviour,
+            rewards=torch.tensor([t.reward for t, *_ in kept], dtype=torch.float32),
+            group_index=torch.tensor([groups[t.group_id] for t, *_ in kept], dtype=torch.int64),
+            min_versions=torch.tensor(
+                [v if (v := t.min_version()) is not None else -1 for t, *_ in kept], dtype=torch.int64),
+            trajectory_ids=[t.id for t, *_ in kept],
+        ),
+        skipped,
+        truncated,
+    )

@@ -1,0 +1,60 @@
+"""Building the trainer from the config tree: the one call the launcher makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from slime_async.config.schema import Config
+from slime_async.sync.publisher import WeightPublisher
+from slime_async.train.backend import TrainerBackend
+from slime_async.train.loop import BatchSource, Stateful, Trainer
+
+
+def build_backend(config: Config, model_path: str | Path | None = None) -> TrainerBackend:
+    """The backend named by `train.backend`, loaded from `model.path` (or `model_path`)."""
+    tc = config.train
+    if tc.backend != "torch":
+        raise ValueError(f"train.backend: {tc.backend!r} is not available yet (its own issue); use torch")
+    from slime_async.config.model_dir import resolve_model_path
+    from slime_async.train.torch_backend import TorchBackend
+
+    path = model_path if model_path is not None else resolve_model_path(config.model.path)
+    return TorchBackend(
+        path, device=config.model.device, dtype=config.model.dtype, lr=tc.lr, betas=tc.adam_betas,
+        eps=tc.adam_eps, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
+        micro_batch_size=tc.micro_batch_size, reference=tc.kl_coef > 0,
+    )
+
+
+def run_dir(config: Config) -> Path:
+    return Path(config.run.dir) / config.run.name
+
+
+def build_publisher(config: Config, engine_urls: list[str]) -> WeightPublisher:
+    disk_dir = Path(config.sync.disk_dir) if config.sync.disk_dir else run_dir(config) / "weights"
+    return WeightPublisher(engine_urls, config.sync, disk_dir=disk_dir, admin_token=config.engine.admin_token)
+
+
+def build_trainer(
+    config: Config,
+    source: BatchSource,
+    engine_urls: list[str],
+    *,
+    extra_state: dict[str, Stateful] | None = None,
+    backend: TrainerBackend | None = None,
+) -> Trainer:
+    """A `Trainer` over `source`, publishing to `engine_urls` (none: no publishing), checkpointing
+    under `<run.dir>/<run.name>/checkpoints`. Call `trainer.resume()` then `await trainer.run()`."""
+    from slime_async.train.loop import seed_everything
+
+    seed_everything(config.run.seed)
+    return Trainer(
+        config.train,
+        backend if backend is not None else build_backend(config),
+        source,
+        batch_size=config.rollout.batch_size,
+        temperature=config.rollout.sampling.temperature,
+        publisher=build_publisher(config, engine_urls) if engine_urls else None,
+        checkpoint_dir=run_dir(config) / "checkpoints",
+        extra_state=extra_state,
+    )

@@ -1,0 +1,254 @@
+"""The continuous training loop: take a batch as soon as one is ready, step, publish, repeat.
+
+    batch = source.get_batch(B, timeout)          # no lockstep with rollout rounds
+    prox  = recompute logprobs (or take behaviour)
+    step (train.steps_per_batch optimizer steps)  # version += 1 per applied step
+    publish weights as the new version to every engine; source.set_version(version)
+    checkpoint when due
+
+The version is the number of applied optimizer steps. It reaches the engines with the weights
+(`weight_version`), where the rollout scheduler's admission control reads it, and the buffer through
+`BatchSource.set_version` (its staleness filter). Blocking work (get_batch, forward/backward) runs in
+a worker thread so that publishing and HTTP stay on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from slime_async.config.schema import TrainConfig
+from slime_async.sync.publisher import NamedWeights, PublishReport
+from slime_async.train.backend import TrainerBackend
+from slime_async.train.batch import build_batch
+from slime_async.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from slime_async.train.objective import Objective
+from slime_async.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    """Where trajectories come from (the ZeroMQ buffer client implements this)."""
+
+    def get_batch(self, n: int, timeout: float) -> list[Trajectory] | None:
+        """Up to `n` trajectories (whole groups) ready for training, waiting at most `timeout`
+        seconds; None (or []) when none became ready. Called from a worker thread."""
+        ...
+
+    def set_version(self, version: int) -> None:
+        """The trainer's version is now `version` (staleness filtering uses it)."""
+        ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """A part whose state a checkpoint keeps (data offset, buffer WAL position): JSON-able dicts."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class WeightSink(Protocol):
+    """What the loop needs from `sync.WeightPublisher`."""
+
+    async def publish(self, weights: NamedWeights, version: int) -> PublishReport: ...
+
+    async def reconcile(self, weights: NamedWeights, version: int) -> list[str]: ...
+
+
+@dataclass
+class StepRecord:
+    """One batch's outcome, for logs and tests."""
+
+    version: int
+    """The trainer's version after this batch."""
+    applied: int
+    """Optimizer steps applied (skipped ones are in `skipped_steps`)."""
+    trajectories: int
+    loss: float
+    grad_norm: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    skipped_steps: list[str] = field(default_factory=list)
+    max_staleness: int = 0
+    """Version of the weights at the batch's last step minus the oldest token version in it
+    (each step after the first on the same batch adds one)."""
+    publish: PublishReport | None = None
+    seconds: float = 0.0
+
+
+class Trainer:
+    """The loop over a backend, a batch source and (optionally) a weight publisher."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        backend: TrainerBackend,
+        source: BatchSource,
+        *,
+        batch_size: int,
+        temperature: float = 1.0,
+        publisher: WeightSink | None = None,
+        checkpoint_dir: Path | None = None,
+        extra_state: dict[str, Stateful] | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> None:
+        if temperature <= 0:
+            raise ValueError(f"rollout.sampling.temperature: the trainer needs > 0 to compute logprobs, got "
+                             f"{temperature}")
+        self.cfg = cfg
+        self.backend = backend
+        self.source = source
+        self.batch_size = batch_size
+        self.temperature = temperature
+        self.publisher = publisher
+        self.checkpoint_dir = checkpoint_dir
+        self.extra_state = extra_state or {}
+        self.on_step = on_step
+        self.objective = Objective(cfg)
+        self.version = 0
+        self.counters: Counter[str] = Counter()
+        """trajectories_trained, skipped:<reason> (trajectories; `step_not_applied` when the batch's step was
+        skipped), truncated, empty_batches, skipped_steps, publish_failures,
+        engines_reconciled (engines found behind and brought up to date)."""
+        self._stop = asyncio.Event()
+
+    # --- resume -------------------------------------------------------------------------
+
+    def resume(self, path: Path | None = None) -> bool:
+        """Load `path` (or the latest checkpoint under `checkpoint_dir`); False when there is none."""
+        if path is None:
+            path = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
+            if path is None:
+                return False
+        state = load_checkpoint(path, self.backend)
+        self.version = int(state["version"])
+        self.counters = Counter(state["trainer"].get("counters", {}))
+        for name, part in self.extra_state.items():
+            if name in state["extra"]:
+                part.load_state_dict(state["extra"][name])
+        self.source.set_version(self.version)
+        log.info("resumed from %s at version %d", path, self.version)
+        return True
+
+    def save(self) -> Path:
+        if self.checkpoint_dir is None:
+            raise ValueError("no checkpoint directory configured")
+        extra = {name: part.state_dict() for name, part in self.extra_state.items()}
+        return save_checkpoint(self.checkpoint_dir, self.version, self.backend,
+                               {"counters": dict(self.counters)}, extra, keep=self.cfg.keep_checkpoints)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask `run` to return after the batch in progress."""
+        self._stop.set()
+
+    async def run(self, until_version: int | None = None) -> None:
+        """Train until the version reaches `until_version` (default `train.steps`) or `stop()`."""
+        target = until_version if until_version is not None else self.cfg.steps
+        if self.publisher is not None:
+            # engines that restarted or missed the last publish get this version before training goes on
+            behind = await self.publisher.reconcile(self.backend.named_weights, self.version)
+            self.counters["engines_reconciled"] += len(behind)
+        self.source.set_version(self.version)
+        while self.version < target and not self._stop.is_set():
+            record = await self.step(max_steps=target - self.version)
+            if record is None:
+                continue
+            log.info("version %d: %d trajectories, loss %.4g, grad norm %.3g, clip %.3f, ess %.3f, "
+                     "staleness <= %d, %.2fs", record.version, record.trajectories, record.loss, record.grad_norm,
+                     record.metrics.get("clip_fraction", 0.0), record.metrics.get("ess", 1.0),
+                     record.max_staleness, record.seconds)
+            if self.on_step is not None:
+                self.on_step(record)
+            every = self.cfg.checkpoint_every
+            if self.checkpoint_dir is not None and every and record.applied and self.version % every == 0:
+                await asyncio.to_thread(self.save)
+        if self.checkpoint_dir is not None and not self._stop.is_set():
+            await asyncio.to_thread(self.save)
+
+    async def step(self, max_steps: int | None = None) -> StepRecord | None:
+        """One batch: get it, train on it, publish. None when no batch came (or nothing in it trained)."""
+        start = time.perf_counter()
+        trajectories = await asyncio.to_thread(self.source.get_batch, self.batch_size, self.cfg.batch_timeout_s)
+        if not trajectories:
+            self.counters["empty_batches"] += 1
+            if self.publisher is not None:  # idle: a good moment to catch up engines that fell behind
+                behind = await self.publisher.reconcile(self.backend.named_weights, self.version)
+                self.counters["engines_reconciled"] += len(behind)
+            return None
+        built = build_batch(trajectories, self.cfg.max_seq_len, self.cfg.overlong,
+                            vocab_size=getattr(self.backend, "vocab_size", None))
+        for reason, n in built.skipped.items():
+            self.counters[f"skipped:{reason}"] += n
+        self.counters["truncated"] += built.truncated
+        batch = built.batch
+        if batch is None:
+            self.counters["empty_batches"] += 1
+            log.warning("batch of %d trajectories had nothing to train on: %s", len(trajectories),
+                        dict(built.skipped))
+            return None
+        obj = self.objective
+        if self.cfg.proximal == "recompute":
+            prox = (await asyncio.to_thread(self.backend.logprobs, batch, self.temperature)).logprobs
+        else:
+            prox = batch.behaviour_logprobs
+        ref = None
+        if obj.needs_reference:
+            ref = (await asyncio.to_thread(self.backend.logprobs, batch, self.temperature, False, True)).logprobs
+        prep = obj.prepare(batch, prox, ref)
+        record = StepRecord(version=self.version, applied=0, trajectories=len(batch), loss=0.0, grad_norm=0.0)
+        steps = self.cfg.steps_per_batch if max_steps is None else min(self.cfg.steps_per_batch, max_steps)
+        for i in range(steps):
+            result = await asyncio.to_thread(self.backend.train_step, batch, obj.loss_fn(prep), self.temperature,
+                                             obj.needs_entropy)
+            if i == 0:
+                record.metrics = {**obj.metrics(prep), **result.metrics}
+            record.loss, record.grad_norm = result.loss, result.grad_norm
+            if result.applied:
+                self.version += 1
+                record.applied += 1
+            else:
+                self.counters["skipped_steps"] += 1
+                record.skipped_steps.append(result.reason)
+                log.warning("step skipped at version %d: %s", self.version, result.reason)
+                break  # the same batch would fail the same way
+        valid = batch.min_versions[batch.min_versions >= 0]
+        oldest = int(valid.min()) if valid.numel() else self.version
+        # the last step trained the weights of version (self.version - 1) on tokens as old as `oldest`
+        record.max_staleness = max(0, self.version - (1 if record.applied else 0) - oldest)
+        if record.applied:
+            self.counters["trajectories_trained"] += len(batch)
+        else:  # counted, never silently lost (DESIGN.md, "Reliability rules")
+            self.counters["skipped:step_not_applied"] += len(batch)
+        if record.applied and self.publisher is not None:
+            record.publish = await self.publisher.publish(self.backend.named_weights, self.version)
+            if record.publish.failed:
+                self.counters["publish_failures"] += len(record.publish.failed)
+        if record.applied:
+            self.source.set_version(self.version)
+        record.version = self.version
+        record.seconds = time.perf_counter() - start
+        return record
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, numpy and Python: the same seed gives the same run on CPU."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

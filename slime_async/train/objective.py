@@ -1,0 +1,151 @@
+"""The configured objective: which advantage, policy loss, correction and aggregation, composed.
+
+`TrainConfig.loss` names a recipe (the defaults below); `advantage`, `aggregation`, `clip_low`,
+`clip_high` override single parts of it. Everything that does not depend on the current weights
+(advantages, corrected mask, behaviour weights, aggregation weights, reference logprobs) is computed
+once per batch in `prepare`; `loss` is then called per micro-batch by the backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slime_async.config.schema import TrainConfig
+from slime_async.train import advantages as A
+from slime_async.train import losses as L
+from slime_async.train.backend import Logprobs
+from slime_async.train.batch import Batch
+
+
+@dataclass(frozen=True)
+class Recipe:
+    policy: str
+    """ppo | gspo | cispo"""
+    advantage: str
+    aggregation: str
+    clip_low: float
+    clip_high: float
+    behaviour_correction: bool
+    """Whether `train.behaviour_correction` applies (all but plain `ppo`)."""
+
+
+RECIPES: dict[str, Recipe] = {
+    "grpo": Recipe("ppo", "grpo", "seq_mean_token_mean", 0.2, 0.2, True),
+    "dr_grpo": Recipe("ppo", "dr_grpo", "seq_mean_token_sum_norm", 0.2, 0.2, True),
+    "gspo": Recipe("gspo", "grpo", "seq_mean_token_mean", 3e-4, 4e-4, True),
+    "cispo": Recipe("cispo", "grpo", "token_mean", 1.0, 5.0, True),
+    "ppo": Recipe("ppo", "grpo", "token_mean", 0.2, 0.2, False),
+    "decoupled_ppo": Recipe("ppo", "grpo", "token_mean", 0.2, 0.2, True),
+}
+
+
+@dataclass
+class Prepared:
+    """Per-batch inputs of the loss, all [N, T] (or [N]) on CPU."""
+
+    mask: torch.Tensor
+    prox: torch.Tensor
+    behav: torch.Tensor
+    advantages: torch.Tensor
+    behaviour_weights: torch.Tensor
+    weights: torch.Tensor
+    """Aggregation weights: the loss is sum(values * weights)."""
+    ref_logp: torch.Tensor | None
+    current: torch.Tensor
+    """Filled during the step: the current policy's logprobs (for metrics)."""
+    clipped: torch.Tensor
+
+
+class Objective:
+    def __init__(self, cfg: TrainConfig) -> None:
+        recipe = RECIPES[cfg.loss]
+        self.cfg = cfg
+        self.policy = recipe.policy
+        self.advantage = cfg.advantage or recipe.advantage
+        self.aggregation = cfg.aggregation or recipe.aggregation
+        self.clip_low = cfg.clip_low if cfg.clip_low is not None else recipe.clip_low
+        self.clip_high = cfg.clip_high if cfg.clip_high is not None else recipe.clip_high
+        self.correction = cfg.behaviour_correction if recipe.behaviour_correction else "none"
+        self.norm = float(cfg.aggregation_norm or cfg.max_seq_len)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.cfg.kl_coef > 0
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.cfg.entropy_coef > 0
+
+    def prepare(self, batch: Batch, prox: torch.Tensor, ref_logp: torch.Tensor | None = None) -> Prepared:
+        cfg = self.cfg
+        behav = batch.behaviour_logprobs
+        mask = L.outlier_mask(prox, behav, batch.loss_mask, cfg.outlier_mask, cfg.outlier_low, cfg.outlier_high)
+        token_rewards = None
+        if cfg.kl_coef > 0 and cfg.kl_in == "reward":
+            if ref_logp is None:
+                raise ValueError("train.kl_in=reward needs reference logprobs")
+            # the penalty of the sampled tokens, under the policy that is about to be updated
+            token_rewards = A.reward_to_go(-cfg.kl_coef * L.kl_penalty(prox, ref_logp, mask, cfg.kl_estimator), mask)
+        if self.advantage == "reinforce_pp":
+            adv = A.reinforce_pp_baseline_advantages(batch.rewards, batch.group_index, mask, token_rewards)
+        else:
+            seq = A.grpo_advantages(batch.rewards, batch.group_index, normalize_std=self.advantage == "grpo")
+            adv = A.to_tokens(seq, mask)
+            if token_rewards is not None:
+                adv = adv + token_rewards
+        return Prepared(
+            mask=mask,
+            prox=prox,
+            behav=behav,
+            advantages=adv,
+            behaviour_weights=L.behaviour_weights(prox, behav, mask, self.correction, cfg.behaviour_cap),
+            weights=L.aggregation_weights(mask, self.aggregation, batch.group_index, self.norm),  # type: ignore[arg-type]
+            ref_logp=ref_logp,
+            current=torch.zeros_like(prox),
+            clipped=torch.zeros_like(mask, dtype=torch.bool),
+        )
+
+    def loss_fn(self, prep: Prepared):  # -> LossFn
+        """The per-micro-batch loss over `prep`, for `TrainerBackend.train_step`."""
+        cfg = self.cfg
+
+        def fn(mb: Batch, rows: slice, out: Logprobs) -> tuple[torch.Tensor, dict[str, float]]:
+            logp = out.logprobs
+            dev = logp.device
+            k = logp.shape[1]
+
+            def part(t: torch.Tensor) -> torch.Tensor:
+                return t[rows, :k].to(dev)
+
+            mask, prox, adv, weights = part(prep.mask), part(prep.prox), part(prep.advantages), part(prep.weights)
+            if self.policy == "gspo":
+                pl = L.gspo_loss(logp, prox, adv, mask, self.clip_low, self.clip_high)
+            elif self.policy == "cispo":
+                pl = L.cispo_loss(logp, prox, adv, mask, self.clip_low, self.clip_high)
+            else:
+                pl = L.ppo_clip_loss(logp, prox, adv, mask, self.clip_low, self.clip_high, cfg.dual_clip)
+            values = pl.loss * part(prep.behaviour_weights)
+            pg = L.aggregate(values, weights)
+            loss = pg
+            metrics = {"pg_loss": float(pg.detach())}
+            if cfg.kl_coef > 0 and cfg.kl_in == "loss":
+                assert prep.ref_logp is not None
+                kl = L.aggregate(L.kl_penalty(logp, part(prep.ref_logp), mask, cfg.kl_estimator), weights)
+                loss = loss + cfg.kl_coef * kl
+                metrics["kl_ref"] = float(kl.detach())
+            if cfg.entropy_coef > 0:
+                assert out.entropy is not None
+                ent = L.aggregate(out.entropy, weights)
+                loss = loss - cfg.entropy_coef * ent
+                metrics["entropy"] = float(ent.detach())
+            prep.current[rows, :k] = logp.detach().cpu()
+            prep.clipped[rows, :k] = pl.clipped.cpu()
+            return loss, metrics
+
+        return fn
+
+    def metrics(self, prep: Prepared) -> dict[str, float]:
+        """Off-policy health over the batch (ratio of current to proximal as it was at the step's start)."""
+        return L.off_policy_metrics(prep.current, prep.prox, prep.behav, prep.mask, prep.clipped)

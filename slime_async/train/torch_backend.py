@@ -1,0 +1,164 @@
+"""The `torch` backend: a transformers model on CPU or one GPU, AdamW, gradient accumulation.
+
+Sequences are right-padded per micro-batch (trimmed to the micro-batch's longest row), with an
+attention mask; causal attention means padding after a token never changes that token's logits.
+`bfloat16` is mixed precision: parameters and AdamW state stay float32 (bf16 master weights lose
+small updates), forward and backward run under bf16 autocast, and weights are exported in bf16
+(the engines' dtype; half the bytes to publish).
+Logprobs are computed in float32 from the logits whatever the model's dtype, as the engine's
+sampler does (`engine.sampling`: log_softmax(logits / temperature)).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from slime_async.train.backend import Logprobs, LossFn, StepResult
+from slime_async.train.batch import Batch
+from slime_async.train.losses import entropy_from_logits
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device: cuda was asked for but no GPU is visible; use cpu or auto")
+    return torch.device(device)
+
+
+class TorchBackend:
+    """One transformers causal LM with AdamW. Not thread-safe: the loop calls it from one thread at a time."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str = "auto",
+        dtype: Literal["float32", "bfloat16"] = "float32",
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        micro_batch_size: int = 16,
+        reference: bool = False,
+    ) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.device = resolve_device(device)
+        if dtype == "bfloat16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError("model.dtype: bfloat16 is not supported by this GPU; use float32")
+        self.dtype = torch.float32  # parameters and optimizer state
+        self.export_dtype = getattr(torch, dtype)
+        self.autocast = dtype == "bfloat16"
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype)
+        except OSError as exc:
+            raise ValueError(f"model.path: cannot load a transformers model from {model_path}: {exc}") from None
+        self.model = model.to(self.device).train()
+        # The frozen initial policy, only when a KL penalty needs it.
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if reference else None
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.grad_clip = grad_clip
+        self.micro_batch_size = micro_batch_size
+        # fused/foreach kernels differ in rounding from the loop; fixing the implementation keeps
+        # runs bit-reproducible on the same machine (checkpoint/resume equivalence relies on it).
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+
+    # --- forward --------------------------------------------------------------------------
+
+    def _forward(self, model: torch.nn.Module, mb: Batch, temperature: float, entropy: bool) -> Logprobs:
+        ids = mb.input_ids.to(self.device)
+        attn = mb.attention_mask.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        zero = torch.zeros_like(logp[:, :1])
+        # shift so that entry t belongs to token t; padding gets 0
+        out = torch.cat([zero, logp], dim=1) * attn
+        ent = torch.cat([zero, entropy_from_logits(logits)], dim=1) * attn if entropy else None
+        return Logprobs(out, ent)
+
+    def _micro_batches(self, batch: Batch) -> Iterator[tuple[slice, Batch]]:
+        for start in range(0, len(batch), self.micro_batch_size):
+            stop = min(start + self.micro_batch_size, len(batch))
+            yield slice(start, stop), batch.rows(start, stop)
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, temperature: float, entropy: bool = False, reference: bool = False
+                 ) -> Logprobs:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 to compute logprobs, got {temperature}")
+        model = self.model
+        if reference:
+            if self.reference is None:
+                raise ValueError("reference logprobs asked for, but the backend was built without a reference")
+            model = self.reference
+        n, t = batch.input_ids.shape
+        logp = torch.zeros(n, t)
+        ent = torch.zeros(n, t) if entropy else None
+        for rows, mb in self._micro_batches(batch):
+            out = self._forward(model, mb, temperature, entropy)
+            k = mb.input_ids.shape[1]
+            logp[rows, :k] = out.logprobs.cpu()
+            if ent is not None and out.entropy is not None:
+                ent[rows, :k] = out.entropy.cpu()
+        return Logprobs(logp, ent)
+
+    # --- training -------------------------------------------------------------------------
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, temperature: float, entropy: bool = False) -> StepResult:
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        metrics: dict[str, float] = {}
+        for rows, mb in self._micro_batches(batch):
+            out = self._forward(self.model, mb, temperature, entropy)
+            loss, mb_metrics = loss_fn(mb, rows, out)
+            loss.backward()
+            total += float(loss.detach())
+            for k, v in mb_metrics.items():
+                metrics[k] = metrics.get(k, 0.0) + v
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        if not (math.isfinite(total) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(False, total, grad_norm, metrics,
+                              reason=f"non-finite {'loss' if not math.isfinite(total) else 'grad norm'}")
+        self.optimizer.step()
+        return StepResult(True, total, grad_norm, metrics)
+
+    # --- weights and state ----------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.model.named_parameters():
+            yield name, param.detach().to(self.export_dtype)
+
+    def save(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
+        if self.reference is not None:
+            self.reference.save_pretrained(path / "reference")
+
+    def load(self, path: Path) -> None:
+        loaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
+        self.model.load_state_dict(loaded.state_dict())
+        self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
+                                                  weights_only=True))
+        if self.reference is not None and (path / "reference").is_dir():
+            ref = AutoModelForCausalLM.from_pretrained(str(path / "reference"), dtype=self.dtype)
+            self.reference.load_state_dict(ref.state_dict())

@@ -1,0 +1,101 @@
+"""The trainer process: batches from the buffer server, steps, weights to the engines, metrics to a file.
+
+`python -m slime_async.train.worker CONFIG_YAML --buffer ENDPOINT --engine URL [--engine URL ...]`
+resumes from the run's latest checkpoint if there is one, tells the buffer its version (handing
+back batches that a previous trainer received but did not train), prints `READY`, and trains until
+`train.steps`; each step appends one JSON line to `<run dir>/metrics.jsonl`. SIGTERM/SIGINT end it
+after the batch in progress (a checkpoint is written at the end of a complete run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from slime_async.config import load_config
+from slime_async.train.loop import StepRecord
+from slime_async.types import Trajectory
+
+log = logging.getLogger("slime_async.train.worker")
+
+
+class BufferSource:
+    """The trainer's `BatchSource` over the buffer server's ZeroMQ client."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.received = 0
+
+    def get_batch(self, n: int, timeout: float) -> list[Trajectory] | None:
+        try:
+            batch = self.client.get_batch(n, timeout)
+        except TimeoutError:
+            return None
+        trajectories = [t for group in batch.groups for t in group.trajectories]
+        self.received += len(trajectories)
+        return trajectories
+
+    def set_version(self, version: int) -> None:
+        self.client.set_version(version)
+
+
+def metrics_line(record: StepRecord, counters: dict[str, int], started: float) -> dict[str, Any]:
+    return {
+        "version": record.version, "applied": record.applied, "trajectories": record.trajectories,
+        "loss": record.loss, "grad_norm": record.grad_norm, "max_staleness": record.max_staleness,
+        "seconds": record.seconds, "elapsed_s": time.monotonic() - started,
+        "skipped_steps": record.skipped_steps, "publish_s": getattr(record.publish, "seconds", None),
+        **{k: v for k, v in record.metrics.items() if isinstance(v, int | float)},
+        "counters": dict(counters),
+    }
+
+
+async def run_trainer(config_path: str, buffer: str, engines: list[str]) -> int:
+    from slime_async.buffer import BufferClient
+    from slime_async.train.build import build_trainer, run_dir
+
+    cfg = load_config(config_path)
+    client = BufferClient(buffer, curve_dir=cfg.buffer.curve_dir)
+    source = BufferSource(client)
+    trainer = build_trainer(cfg, source, engines)
+    resumed = trainer.resume()
+    # a restarted trainer gets back the batches its predecessor received but never trained
+    client.set_version(trainer.version, restarted=True)
+    metrics = run_dir(cfg) / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+
+    def on_step(record: StepRecord) -> None:
+        with metrics.open("a") as f:
+            f.write(json.dumps(metrics_line(record, trainer.counters, started)) + "\n")
+
+    trainer.on_step = on_step
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, trainer.stop)
+    print(f"READY version={trainer.version} resumed={resumed}", flush=True)
+    await trainer.run()
+    print(f"DONE version={trainer.version} counters={dict(trainer.counters)}", flush=True)
+    client.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m slime_async.train.worker")
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--buffer", required=True)
+    parser.add_argument("--engine", action="append", default=[])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sys.exit(asyncio.run(run_trainer(str(args.config), args.buffer, args.engine)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""`slime-async train` end to end: buffer, engine, trainer and rollout worker as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line mentions `text` (our children name the run's config file)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline and entry.name != str(os.getpid()):
+                pids.append(int(entry.name))
+    return pids
+
+
+def train_command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "slime_async.cli", "train", str(REPO / "configs/local.yaml"), "--overwrite",
+            f"run.dir={run_dir}", "rollout.batch_size=8", "rollout.group_size=4", "rollout.filter_equal_rewards=false",
+            "rollout.sampling.max_new_tokens=16", "engine.port=0", *overrides]
+
+
+def test_train_runs_every_part_and_accounts_for_every_trajectory(tmp_path: Path) -> None:
+    done = subprocess.run(train_command(tmp_path, "train.steps=3"), capture_output=True, text=True, timeout=600,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = tmp_path / "local"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == [1, 2, 3]
+    assert all(m["max_staleness"] <= 2 for m in metrics)  # eta = 2 in configs/local.yaml
+    assert metrics[0]["ratio_min"] == pytest.approx(1.0, abs=1e-5)  # on-policy first step
+    summary = json.loads((run / "summary.json").read_text())
+    b = summary["buffer"]
+    assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"] and b["trained"] >= 24
+    assert "DONE" in (run / "logs" / "rollout-0.log").read_text() and "balanced=True" in (
+        run / "logs" / "rollout-0.log").read_text()
+    assert processes_mentioning(str(run / "config.yaml")) == []  # nothing left running
+
+
+def test_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    proc = subprocess.Popen(train_command(tmp_path, "train.steps=6", "train.checkpoint_every=1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    run = tmp_path / "local"
+    metrics_path = run / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics_path.exists() and len(metrics_path.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "training never reached step 2"
+            time.sleep(0.2)
+        trainers = [p for p in processes_mentioning("slime_async.train.worker") if str(run) in
+                    Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+        assert len(trainers) == 1
+        os.kill(trainers[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert any("trainer died" in e for e in summary["events"]) and any("trainer restarted" in e for e in
+                                                                       summary["events"])
+    versions = [json.loads(line)["version"] for line in metrics_path.read_text().splitlines()]
+    assert versions[-1] == 6 and sorted(set(versions)) == list(range(1, 7))
+    b = summary["buffer"]
+    assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"]
+    assert "resumed=True" in (run / "logs" / "trainer.log").read_text()

@@ -1,0 +1,144 @@
+"""Weight publishing to a real engine process over HTTP: tensor and disk modes, missed updates,
+retries, all-or-nothing pushes, and the NCCL endpoints' refusal by the embedded engine."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import PROMPT, engine_greedy, get, hf_greedy, perturbed
+from transformers import AutoModelForCausalLM
+
+from slime_async.config.schema import SyncConfig
+from slime_async.sync import WeightPublisher
+from slime_async.sync.buckets import bucket_named_tensors
+from slime_async.sync.disk import prune_versions, write_version
+
+
+@pytest.fixture(scope="module")
+def base(varied_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(varied_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def other(base: torch.nn.Module) -> torch.nn.Module:
+    return perturbed(copy.deepcopy(base), seed=1)
+
+
+def weights_of(model: torch.nn.Module):  # -> NamedWeights
+    return lambda: ((n, p.detach()) for n, p in model.named_parameters())
+
+
+def fast(**kw: object) -> SyncConfig:
+    return SyncConfig(**{"retry_backoff_s": 0.0, "timeout_s": 60.0, **kw})  # type: ignore[arg-type]
+
+
+def test_buckets_respect_the_limit_and_order() -> None:
+    named = [("a", torch.zeros(10)), ("b", torch.zeros(20)), ("c", torch.zeros(100)), ("d", torch.zeros(5))]
+    buckets = bucket_named_tensors(named, limit_bytes=120)  # float32: 40, 80, 400, 20 bytes
+    assert [list(b) for b in buckets] == [["a", "b"], ["c"], ["d"]]
+    with pytest.raises(ValueError, match="bucket"):
+        bucket_named_tensors(named, 0)
+    with pytest.raises(ValueError, match="twice"):
+        bucket_named_tensors([("a", torch.zeros(1)), ("a", torch.zeros(1))], 100)
+
+
+def test_disk_writes_whole_versions_and_prunes(tmp_path: Path) -> None:
+    for v in range(4):
+        write_version(tmp_path, v, [("w", torch.full((3,), float(v)))])
+    write_version(tmp_path, 3, [("w", torch.full((3,), 9.0))])  # rewritten whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v0", "v1", "v2", "v3"]  # no temporaries left
+    prune_versions(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2", "v3"]
+    from safetensors.torch import load_file
+
+    assert load_file(str(tmp_path / "v3" / "model.safetensors"))["w"].tolist() == [9.0] * 3
+
+
+async def test_tensor_mode_in_buckets_changes_output_exactly(engine, base, other) -> None:
+    before, after = hf_greedy(base, PROMPT), hf_greedy(other, PROMPT)
+    assert before != after
+    async with WeightPublisher([engine.url], fast(mode="tensor", bucket_mb=0.5)) as pub:
+        report = await pub.publish(weights_of(other), 1)
+        assert report.updated == [engine.url] and not report.failed and report.buckets > 1
+        assert await engine_greedy(engine.url, PROMPT) == (after, "1")
+        assert (await pub.engine_versions()) == {engine.url: 1}
+        info = await get(engine.url, "/get_server_info")
+        assert info["internal_states"][0]["paused"] is False  # resumed after the bucketed push
+        report = await pub.publish(weights_of(base), 2)
+        assert await engine_greedy(engine.url, PROMPT) == (before, "2")
+
+
+async def test_disk_mode(engine, base, other, tmp_path: Path) -> None:
+    async with WeightPublisher([engine.url], fast(mode="disk", keep_disk_versions=1), disk_dir=tmp_path) as pub:
+        report = await pub.publish(weights_of(other), 3)
+        assert not report.failed, report.failed
+        assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(other, PROMPT), "3")
+        await pub.publish(weights_of(base), 4)
+        assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(base, PROMPT), "4")
+        assert [p.name for p in tmp_path.iterdir()] == ["v4"]
+
+
+async def test_engine_that_missed_an_update_is_detected_and_brought_up_to_date(engine, base, other) -> None:
+    async with WeightPublisher([engine.url], fast()) as pub:
+        await pub.publish(weights_of(other), 5)
+        # the engine restarts with its initial weights: it reports version 0 again
+        async with WeightPublisher([engine.url], fast()) as restart:
+            await restart.publish(weights_of(base), 0)
+        assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(base, PROMPT), "0")
+        assert await pub.reconcile(weights_of(other), 5) == [engine.url]
+        assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(other, PROMPT), "5")
+        assert await pub.reconcile(weights_of(other), 5) == []  # nothing behind: nothing sent
+        # the same detection happens at the next publish, and is reported
+        async with WeightPublisher([engine.url], fast()) as restart:
+            await restart.publish(weights_of(base), 0)
+        report = await pub.publish(weights_of(other), 6)
+        assert report.missed == [engine.url] and report.updated == [engine.url]
+
+
+async def test_failed_push_is_retried_and_never_half_applied(engine, base, other) -> None:
+    async with WeightPublisher([engine.url], fast(bucket_mb=0.5)) as pub:
+        await pub.publish(weights_of(base), 7)
+
+        def broken() -> Iterable[tuple[str, torch.Tensor]]:
+            # a real first part, then a tensor the engine refuses: the last bucket fails every time
+            yield from ((n, p.detach()) for n, p in other.named_parameters())
+            yield "model.no_such_weight", torch.zeros(3)
+
+        report = await pub.publish(broken, 8)
+        assert list(report.failed) == [engine.url] and "no_such_weight" in report.failed[engine.url]
+        assert report.attempts == 4  # 1 + sync.retries
+        info = await get(engine.url, "/get_server_info")
+        # paused, so that the half of the weights already copied never serves; still on version 7
+        assert info["internal_states"][0]["paused"] is True
+        assert (await pub.engine_versions()) == {engine.url: 7}
+        pub.cfg = fast(bucket_mb=512)  # one bucket: no pause of its own, yet it must resume the engine
+        report = await pub.publish(weights_of(other), 8)
+        assert not report.failed and report.buckets == 1
+        assert (await get(engine.url, "/get_server_info"))["internal_states"][0]["paused"] is False
+        assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(other, PROMPT), "8")
+
+
+async def test_unreachable_engine_fails_with_its_url_after_retries() -> None:
+    url = "http://127.0.0.1:9"  # discard port: connection refused
+    async with WeightPublisher([url], fast(retries=1)) as pub:
+        report = await pub.publish(lambda: [("w", torch.zeros(2))], 1)
+    assert report.attempts == 2 and url in report.failed[url]
+    assert pub.published is None
+
+
+async def test_nccl_mode_is_refused_by_the_embedded_engine_clearly(engine) -> None:
+    async with WeightPublisher([engine.url], fast(mode="nccl", timeout_s=30.0)) as pub:
+        report = await pub.publish(lambda: [("model.norm.weight", torch.ones(256))], 9)
+    assert report.attempts == 1  # 501 is not retried
+    assert "501" in report.failed[engine.url] and "not supported by the embedded engine" in report.failed[engine.url]
+
+
+def test_bad_setup_is_named() -> None:
+    with pytest.raises(ValueError, match="no engine URLs"):
+        WeightPublisher([], SyncConfig())
+    with pytest.raises(ValueError, match="disk_dir"):
+        WeightPublisher(["http://x"], SyncConfig(mode="disk"))

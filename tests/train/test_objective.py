@@ -1,0 +1,67 @@
+"""The configured objective: recipes, overrides, and what `prepare` feeds the loss."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slime_async.config.schema import TrainConfig
+from slime_async.train.batch import Batch
+from slime_async.train.objective import Objective
+
+T = torch.tensor
+
+
+def batch() -> Batch:
+    mask = T([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    return Batch(
+        input_ids=torch.ones(3, 4, dtype=torch.int64), attention_mask=torch.ones(3, 4, dtype=torch.int64),
+        loss_mask=mask, behaviour_logprobs=T([[0.0, -1.0, -1.0, -1.0], [0.0, -1.0, -1.0, 0.0], [0.0, -1.0, 0, 0]]),
+        rewards=T([1.0, 0.0, 5.0]), group_index=T([0, 0, 1]), min_versions=T([0, 0, 0]),
+    )
+
+
+def test_recipes_and_overrides() -> None:
+    o = Objective(TrainConfig(loss="dr_grpo", max_seq_len=128))
+    assert (o.policy, o.advantage, o.aggregation, o.norm) == ("ppo", "dr_grpo", "seq_mean_token_sum_norm", 128.0)
+    g = Objective(TrainConfig(loss="gspo"))
+    assert (g.policy, g.clip_low, g.clip_high) == ("gspo", 3e-4, 4e-4)
+    c = Objective(TrainConfig(loss="cispo", clip_high=2.0, aggregation="group_mean", advantage="reinforce_pp"))
+    assert (c.policy, c.clip_low, c.clip_high, c.aggregation, c.advantage) == ("cispo", 1.0, 2.0, "group_mean",
+                                                                              "reinforce_pp")
+    assert Objective(TrainConfig(loss="ppo")).correction == "none"
+    assert Objective(TrainConfig(loss="decoupled_ppo", behaviour_correction="sequence")).correction == "sequence"
+
+
+def test_prepare_decoupled_ppo_weights_and_advantages() -> None:
+    b = batch()
+    prox = b.behaviour_logprobs + T([[0.0, math.log(3.0), 0.0, math.log(0.5)], [0.0] * 4, [0.0] * 4])
+    p = Objective(TrainConfig(loss="decoupled_ppo", behaviour_cap=2.0)).prepare(b, prox)
+    torch.testing.assert_close(p.behaviour_weights, T([[0.0, 2.0, 1.0, 0.5], [0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0, 0]]))
+    # group 0: rewards 1, 0 -> +-0.5 / sqrt(0.5) (unbiased std of two values); group 1: one sample -> 0
+    a = 0.5 / math.sqrt(0.5)
+    torch.testing.assert_close(p.advantages, T([[0.0, a, a, a], [0.0, -a, -a, 0.0], [0.0] * 4]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(p.weights.sum(), T(1.0))  # token_mean over 6 tokens
+    assert Objective(TrainConfig(loss="ppo")).prepare(b, prox).behaviour_weights.equal(b.loss_mask)
+
+
+def test_outlier_masking_removes_tokens_from_everything() -> None:
+    b = batch()
+    prox = b.behaviour_logprobs + T([[0.0, math.log(3.0), 0.0, 0.0], [0.0] * 4, [0.0] * 4])
+    p = Objective(TrainConfig(outlier_mask="token")).prepare(b, prox)
+    assert p.mask[0].tolist() == [0, 0, 1, 1]
+    assert p.weights[0, 1] == 0 and p.advantages[0, 1] == 0
+    s = Objective(TrainConfig(outlier_mask="sequence")).prepare(b, prox)
+    assert s.mask[0].sum() == 0 and s.mask[1].sum() == 2
+
+
+def test_kl_in_reward_enters_the_advantages() -> None:
+    b = batch()
+    prox = b.behaviour_logprobs.clone()
+    ref = prox - T([[0.0, 0.5, 0.5, 0.5], [0.0] * 4, [0.0] * 4])  # policy above reference on row 0
+    base = Objective(TrainConfig(loss="grpo", advantage="grpo_no_std")).prepare(b, prox).advantages
+    o = Objective(TrainConfig(loss="grpo", advantage="grpo_no_std", kl_coef=0.1, kl_in="reward", kl_estimator="k1"))
+    adv = o.prepare(b, prox, ref).advantages
+    # k1 = 0.5 per token; reward-to-go of -0.05 per token over 3, 2, 1 remaining tokens
+    torch.testing.assert_close(adv - base, T([[0.0, -0.15, -0.10, -0.05], [0.0] * 4, [0.0] * 4]))
