@@ -11,6 +11,7 @@ so that `Env.verify` can run them in its process pool (math parsing can take lon
 
 from __future__ import annotations
 
+import logging
 import re
 import string
 from collections import Counter
@@ -77,10 +78,20 @@ def regex(answer: str, label: str) -> float:
         raise ValueError(f"label {label!r} is not a regular expression: {exc}") from None
 
 
+def _not_timeout_notice(record: logging.LogRecord) -> bool:
+    return "Timeout is disabled" not in record.getMessage()
+
+
 def math_equal(reply: str, label: str) -> float:
     """`math-verify`: the label is parsed as LaTeX or a plain expression, the reply searched for its
     answer. Its own signal-based timeouts are off (they need the main thread): `Env.verify` bounds it."""
     from math_verify import parse, verify
+
+    # math-verify warns on every call that its timeouts are off; here that is on purpose (see above).
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if _not_timeout_notice not in logger.filters:
+            logger.addFilter(_not_timeout_notice)
 
     gold_text = label if ("$" in label or "\\boxed" in label) else f"${label}$"
     gold = parse(gold_text, parsing_timeout=None)  # type: ignore[arg-type]
