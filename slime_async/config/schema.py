@@ -76,6 +76,91 @@ class EnvConfig(_Section):
     """Keyword arguments for the environment (task generation, limits)."""
 
 
+class DatasetConfig(_Section):
+    """Where tasks come from and which keys of a row hold what (slime's row format:
+    `{"prompt": text or chat messages, "label": ..., "metadata": {...}}`)."""
+
+    source: Literal["env", "jsonl", "hf"] = "env"
+    """`env`: the environment generates its own tasks (its `tasks(split)`); `jsonl`: a JSON-lines
+    file at `path`; `hf`: a Hugging Face `datasets` dataset at `path` (a `save_to_disk` directory,
+    a .jsonl/.json/.parquet/.csv file, or a hub name where the network allows)."""
+    path: str | None = None
+    """The file, directory or hub name; required unless `source` is `env`."""
+    split: str = "train"
+    """The split: of an HF dataset, or (`source: env`) the env's own `train`/`eval`."""
+    input_key: str = "prompt"
+    """Key of the prompt (slime's --input-key): text, or a list of `{role, content}` messages."""
+    label_key: str | None = "label"
+    """Key of the label (slime's --label-key), the verifier's reference; null: rows have none."""
+    metadata_key: str | None = "metadata"
+    """Key of a dict of extra fields for the env (slime's --metadata-key)."""
+    id_key: str | None = None
+    """Key of a stable task id; null: `NAME:ROW_INDEX`."""
+    env_key: str | None = None
+    """Key naming each row's environment, one of `data.envs` (one run mixing environments)."""
+
+    def __post_init__(self) -> None:
+        if self.source != "env" and not self.path:
+            raise ValueError(f"path is required when source is {self.source!r}")
+
+
+class EvalSuiteConfig(DatasetConfig, kw_only=True):
+    """One named evaluation dataset with its own environment, sampling and metrics."""
+
+    name: str
+    """Name in metrics (`eval/NAME/pass@1`)."""
+    env: EnvConfig | None = None
+    """The environment that scores it; null: the run's `env`."""
+    n_samples: PositiveInt = 1
+    """Samples per task; pass@k needs n_samples >= k."""
+    sampling: SamplingConfig | None = None
+    """Sampling of the suite; null: greedy (temperature 0) with the rollout's max_new_tokens."""
+    pass_k: list[PositiveInt] = msgspec.field(default_factory=lambda: [1])
+    """The k of pass@k to report (unbiased estimator over the n samples)."""
+    max_tasks: PositiveInt | None = None
+    """Evaluate only the first this many tasks; null: all."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if any(k > self.n_samples for k in self.pass_k):
+            raise ValueError(f"eval suite {self.name!r}: pass_k {self.pass_k} needs n_samples >= {max(self.pass_k)}")
+
+
+class DataConfig(DatasetConfig, kw_only=True):
+    """The training tasks (the fields of DatasetConfig), their order and the evaluation suites.
+    The default, `source: env`, takes the tasks from the environment, as before this section existed."""
+
+    shuffle: bool = True
+    """Shuffle each epoch (rows from a file or dataset; an env's own tasks keep the env's order)."""
+    seed: int | None = None
+    """Seed of the shuffle; null: `run.seed`. Epoch e's order depends only on (seed, e)."""
+    epochs: PositiveInt | None = None
+    """Passes over the data; null: for ever (the run stops at `train.steps`)."""
+    on_bad_row: Literal["skip", "raise"] = "skip"
+    """A row that does not parse or lacks a key: skipped and counted (its file and line logged), or
+    raised, stopping the run."""
+    max_skipped: NonNegativeInt | None = None
+    """Stop the run when more rows than this were skipped; null: no bound."""
+    envs: dict[str, EnvConfig] = {}
+    """Named environments that rows choose by `env_key`; rows naming another are bad rows."""
+    default_env: str | None = None
+    """The name in `envs` of rows without an env key value; null: such rows are bad."""
+    eval: list[EvalSuiteConfig] = []
+    """Evaluation suites."""
+    eval_every: NonNegativeInt = 0
+    """Run the suites every this many optimizer steps; 0: never during training."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.env_key is not None and not self.envs:
+            raise ValueError("env_key is set but envs is empty: name the environments rows may choose")
+        if self.default_env is not None and self.default_env not in self.envs:
+            raise ValueError(f"default_env {self.default_env!r} is not one of envs ({sorted(self.envs)})")
+        names = [suite.name for suite in self.eval]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval suite names must be unique, got {names}")
+
+
 class RolloutConfig(_Section):
     group_size: PositiveInt = 8
     """Samples per task (GRPO's n)."""
@@ -237,6 +322,7 @@ class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)

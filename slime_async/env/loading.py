@@ -9,7 +9,9 @@ from typing import Any
 import msgspec
 
 from slime_async.env.base import Env, EnvArgs, Split
-from slime_async.types import Task
+from slime_async.env.episode import run_episode
+from slime_async.env.policy import Policy
+from slime_async.types import Task, Trajectory
 
 
 class EnvLoadError(ValueError):
@@ -41,6 +43,16 @@ class EnvFactory:
     def tasks(self, split: Split) -> Iterable[Task]:
         """The environment's own tasks for a split (train or eval), deterministic by `args.seed`."""
         return self.cls.tasks(self.args, split)
+
+    def for_task(self, task: Task) -> EnvFactory:
+        """The factory that serves `task`: this one. A router over several environments
+        (`slime_async.data.EnvRouter`) answers per task; the scheduler asks through this method."""
+        return self
+
+    async def episode(self, task: Task, policy: Policy, tokenizer: Any, **kwargs: Any) -> Trajectory:
+        """One episode of `task` with a fresh environment (`run_episode`'s keyword arguments pass
+        through). A subclass may run episodes another way (the slime-style adapter does)."""
+        return await run_episode(self.new(), task, policy, tokenizer, env_name=self.name, **kwargs)
 
 
 def load_env_class(name: str) -> type[Env]:

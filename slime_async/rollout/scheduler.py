@@ -17,11 +17,11 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from slime_async.env import EnvFactory, Generation, Limits, Sampling, VerifierPool, apply_group_rewards, run_episode
+from slime_async.env import EnvFactory, Generation, Limits, Sampling, VerifierPool, apply_group_rewards
 from slime_async.rollout.admission import StalenessBudget
 from slime_async.rollout.client import ServerError, SGLangClient
 from slime_async.rollout.sinks import Sink
@@ -77,12 +77,22 @@ class RolloutStats:
         }
 
 
+class EnvChooser(Protocol):
+    """What the scheduler takes as its factory: an EnvFactory, or a router over several
+    (`slime_async.data.EnvRouter`) that picks each task's own."""
+
+    name: str
+
+    def for_task(self, task: Task) -> EnvFactory: ...
+
+
 class Scheduler:
-    """Runs groups of episodes of one environment against SGLang servers, into a sink."""
+    """Runs groups of episodes against SGLang servers, into a sink: of one environment, or of
+    each task's own when `factory` is a router."""
 
     def __init__(
         self,
-        factory: EnvFactory,
+        factory: EnvChooser,
         tasks: Iterable[Task],
         client: SGLangClient,
         tokenizer: Any,
@@ -168,12 +178,20 @@ class Scheduler:
     async def _run_group(self, task: Task, admitted: asyncio.Future) -> None:
         group_id = new_id()
         episodes: list[asyncio.Task] = []
+        # A router (several environments in one run) picks the task's own; a plain factory is itself.
+        try:
+            factory = self.factory.for_task(task)
+        except ValueError as exc:  # a task naming an unknown environment costs that task, not the run
+            log.error("task %s skipped: %s", task.id, exc)
+            self.stats.groups_dropped["bad_task"] += 1
+            admitted.set_result(None)
+            return
         try:
             for i in range(self.group_size):
                 await self.budget.acquire()
                 await self._slots.acquire()
                 self.stats.started += 1
-                episodes.append(asyncio.create_task(self._run_one(task, group_id, i)))
+                episodes.append(asyncio.create_task(self._run_one(factory, task, group_id, i)))
         except asyncio.CancelledError:
             # Stopped before the group was whole: its started episodes end (ABORTED at their next
             # model call) and are dropped, counted, so that nothing started goes unaccounted.
@@ -188,15 +206,15 @@ class Scheduler:
             if not admitted.done():
                 admitted.set_result(None)
         trajectories: list[Trajectory] = await asyncio.gather(*episodes)
-        await self._finish_group(trajectories)
+        await self._finish_group(trajectories, factory)
 
-    async def _run_one(self, task: Task, group_id: str, index: int) -> Trajectory:
+    async def _run_one(self, factory: EnvFactory, task: Task, group_id: str, index: int) -> Trajectory:
         episode = f"{group_id}-{index}"
         try:
-            return await run_episode(
-                self.factory.new(), task, HttpPolicy(self.client, episode), self.tokenizer,
+            return await factory.episode(
+                task, HttpPolicy(self.client, episode), self.tokenizer,
                 limits=self.limits, sampling=self.sampling, stop=self._stop, group_id=group_id,
-                sample_index=index, env_name=self.factory.name, verifiers=self.verifiers,
+                sample_index=index, verifiers=self.verifiers,
             )
         except ServerError as exc:  # run_episode turns policy errors into SERVER_ERROR; this is a guard
             log.error("episode %s failed: %s", episode, exc)
@@ -205,7 +223,7 @@ class Scheduler:
             self._slots.release()
             self.client.release(episode)
 
-    async def _finish_group(self, group: list[Trajectory]) -> None:
+    async def _finish_group(self, group: list[Trajectory], factory: EnvFactory) -> None:
         s = self.stats
         for t in group:
             s.finished += 1
@@ -214,7 +232,7 @@ class Scheduler:
             s.tokens += t.num_completion_tokens
         reason = self._drop_reason(group)
         if reason is None:
-            await apply_group_rewards(self.factory.cls, group)
+            await apply_group_rewards(factory.cls, group)
             if self.filter_equal_rewards and len(group) > 1 and len({t.reward for t in group}) == 1:
                 reason = "equal_rewards"
         kept = reason is None

@@ -1,53 +1,47 @@
 """A rollout worker process: one asyncio loop running the scheduler into the buffer, until told to stop.
 
 `python -m slime_async.rollout.worker CONFIG_YAML --buffer ENDPOINT --engine URL [--engine URL ...]`
-prints `READY` once its sender is connected, runs groups of the configured environment's train
-split (cycling through it) and stops cleanly on SIGTERM/SIGINT: no new groups, running episodes end
-as ABORTED at their next model call, everything sent is flushed to the buffer. The weight version
-reaches it through the engines' answers (each `/generate` carries the version that served it).
+prints `READY` once its sender is connected, runs groups of the tasks that the config's `data:`
+section names (by default the environment's own train split, cycled; `--data-state FILE` resumes
+the task stream from FILE and saves it there at exit) and stops cleanly on SIGTERM/SIGINT: no new
+groups, running episodes end as ABORTED at their next model call, everything sent is flushed to the
+buffer. The weight version reaches it through the engines' answers (each `/generate` carries the
+version that served it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import logging
 import signal
 import sys
-from collections.abc import Iterator
+from pathlib import Path
 
 from slime_async.config import load_config
 from slime_async.config.model_dir import resolve_model_path
-from slime_async.env import EnvFactory, Sampling
+from slime_async.data import build_envs, build_tasks, close_shared_remote_rewards, load_state, save_state
+from slime_async.env import Sampling
 from slime_async.rollout.client import SGLangClient
 from slime_async.rollout.scheduler import Scheduler
 from slime_async.rollout.sinks import BufferSink
-from slime_async.types import Task
 
 log = logging.getLogger("slime_async.rollout.worker")
 
 
-def endless(factory: EnvFactory, seed: int) -> Iterator[Task]:
-    """The train split, epoch after epoch (each epoch's order fixed by the env's own seed)."""
-    for epoch in itertools.count():
-        empty = True
-        for task in factory.tasks("train"):
-            empty = False
-            yield task
-        if empty:
-            raise ValueError(f"env {factory.name}: the train split is empty (epoch {epoch})")
-
-
 async def run_worker(config_path: str, buffer: str, engines: list[str], worker: int, num_workers: int,
-                     groups: int | None) -> int:
+                     groups: int | None, data_state: str | None = None) -> int:
     from transformers import AutoTokenizer
 
     from slime_async.transport import AsyncSender
 
     cfg = load_config(config_path)
     r = cfg.rollout
-    factory = EnvFactory.from_config(cfg.env.name, cfg.env.args)
+    # The config's `data:` section: the env's own train split by default, or a dataset (with a router
+    # when rows choose their env); worker i of k takes every k-th task of each epoch.
+    envs = build_envs(cfg)
+    state = load_state(data_state) if data_state and Path(data_state).exists() else None
+    tasks = build_tasks(cfg, envs, state=state, shard=(worker, num_workers))
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.path)))
     sampling = Sampling(temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
                         max_new_tokens=r.sampling.max_new_tokens)
@@ -57,7 +51,7 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
                                                             curve_dir=cfg.buffer.curve_dir) as sender:
         sink = BufferSink(sender)
         scheduler = Scheduler(
-            factory, endless(factory, cfg.run.seed), client, tokenizer, sink, group_size=r.group_size,
+            envs, tasks, client, tokenizer, sink, group_size=r.group_size,
             batch_size=batch_share, max_staleness=r.max_staleness,
             max_concurrency=max(1, r.max_concurrency // num_workers),
             filter_equal_rewards=r.filter_equal_rewards, sampling=sampling,
@@ -68,6 +62,9 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
         print("READY", flush=True)
         stats = await scheduler.run(num_groups=groups)
         await sink.close()
+        await close_shared_remote_rewards()
+    if data_state:
+        save_state(tasks.state(), data_state)  # tasks still in flight at the stop are not replayed
     print(f"DONE sent={stats.sent} dropped={dict(stats.dropped)} balanced={stats.balanced()}", flush=True)
     return 0 if stats.balanced() else 1
 
@@ -80,10 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", type=int, default=0)
     parser.add_argument("--num-workers", type=int, default=1)
     parser.add_argument("--groups", type=int, default=None, help="stop after this many groups (default: never)")
+    parser.add_argument("--data-state", default=None, help="JSON file: resume the task stream from it, save it at exit")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.exit(asyncio.run(run_worker(args.config, args.buffer, args.engine, args.worker, args.num_workers,
-                                    args.groups)))
+                                    args.groups, args.data_state)))
 
 
 if __name__ == "__main__":
