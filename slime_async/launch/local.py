@@ -63,6 +63,13 @@ class LocalLauncher:
                 engine = Part(f"engine-{i}", self._engine_starter(model_dir, i, logs, timeout))
                 self._launch(engine)
                 self.engine_urls.append(engine.child.url)  # type: ignore[union-attr]
+            if self.cfg.data.eval and self.cfg.data.eval_every > 0:
+                # evaluation beside training, in its own process with its own client (never in the
+                # rollout's way); started before the trainer so that its baseline round sees version 0
+                self._launch(Part("eval", lambda: start_process(
+                    "eval", [sys.executable, "-m", "slime_async.data.eval_worker", str(self.config_path),
+                             *self._engine_args(), "--out", str(self.run_dir / "eval.jsonl")],
+                    r"^READY", timeout, logs / "eval.log")))
             if self.with_trainer:
                 self._launch(Part("trainer", lambda: start_process(
                     "trainer", [sys.executable, "-m", "slime_async.train.worker", str(self.config_path),
@@ -111,7 +118,8 @@ class LocalLauncher:
         return lambda: start_process(
             f"rollout-{i}", [sys.executable, "-m", "slime_async.rollout.worker", str(self.config_path),
                              "--buffer", self.buffer_endpoint, *self._engine_args(), "--worker", str(i),
-                             "--num-workers", str(workers)],
+                             "--num-workers", str(workers), "--data-state",
+                             str(self.run_dir / f"data-state-{i}.json")],
             r"^READY", timeout, logs / f"rollout-{i}.log")
 
     def _engine_args(self) -> list[str]:
@@ -148,7 +156,7 @@ class LocalLauncher:
 
     def shutdown(self) -> None:
         """Stop every part, rollout workers first and engines last; nothing is left running."""
-        order = {"rollout": 0, "trainer": 1, "buffer": 2, "engine": 3}
+        order = {"rollout": 0, "eval": 0, "trainer": 1, "buffer": 2, "engine": 3}
         for part in sorted(self.parts, key=lambda p: order.get(p.name.split("-")[0], 9)):
             if part.child is not None:
                 part.child.stop()

@@ -69,8 +69,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
     finally:
         launcher.shutdown()
     records = read_metrics(metrics_path)
+    evals = read_metrics(run_dir / "eval.jsonl")
     summary = {"steps": len(records), "wall_s": time.monotonic() - started, "events": launcher.events,
-               "last": records[-1] if records else None, "buffer": buffer_metrics, "run_dir": str(run_dir)}
+               "last": records[-1] if records else None, "buffer": buffer_metrics, "eval": evals,
+               "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -67,11 +67,17 @@ def test_bad_input_is_one_line_and_exit_code_2(monkeypatch: pytest.MonkeyPatch, 
     assert "Traceback" not in result.output
 
 
-def test_train_says_which_issue_brings_it(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
+def test_train_refuses_to_overwrite_a_run(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     monkeypatch.chdir(REPO)
-    result = invoke("train", "configs/local.yaml")
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "metrics.jsonl").write_text("{}\n")
+    result = invoke("train", "configs/local.yaml", f"run.dir={tmp_path}")
     assert result.exit_code == 2
-    assert "is not available yet" in result.stderr and "issue #8" in result.stderr
+    assert "already holds a run; pass --resume to continue it, --overwrite to start over" in " ".join(
+        result.stderr.split())
+    assert (tmp_path / "local" / "metrics.jsonl").read_text() == "{}\n"  # nothing lost
 
 
 def test_rollout_writes_trajectories(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -99,3 +99,19 @@ def test_a_killed_launcher_leaves_nothing_running(tmp_path: Path) -> None:
     while processes_mentioning(config) or processes_mentioning(str(tmp_path / "local" / "buffer-wal")):
         assert time.monotonic() < deadline, "children outlived their launcher"
         time.sleep(0.2)
+
+
+def test_evaluation_runs_beside_training(tmp_path: Path) -> None:
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text("".join(json.dumps({"prompt": f"Say {i}.", "label": ".*"}) + "\n" for i in range(3)))
+    evals = (f"data.eval=[{{name: s, source: jsonl, path: '{suite}', env: {{name: 'envs.chat:ChatEnv', "
+             "args: {verifier: regex}}}]")
+    done = subprocess.run(train_command(tmp_path, "train.steps=4", "data.eval_every=2", evals), capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "local" / "summary.json").read_text())
+    rounds = summary["eval"]
+    assert rounds and rounds[0]["version"] == 0  # the baseline, before the first step
+    assert [r["version"] for r in rounds] == sorted(r["version"] for r in rounds)
+    assert all(r["eval/s/num_tasks"] == 3 and "eval/s/pass@1" in r for r in rounds)
+    assert processes_mentioning(str(tmp_path / "local" / "config.yaml")) == []
