@@ -11,17 +11,23 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
 
-def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
-    """One `serialized_named_tensors` item: base64 of a safetensors file holding `tensors`."""
+def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """A safetensors file in memory holding `tensors` (moved to the CPU; tied weights copied apart,
+    since safetensors refuses tensors that share storage)."""
     plain: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
-        if t.data_ptr() in seen:  # tied weights share storage, which safetensors refuses
+        if t.data_ptr() in seen:
             t = t.clone()
         seen.add(t.data_ptr())
         plain[name] = t
-    return base64.b64encode(save_safetensors(plain)).decode("ascii")
+    return save_safetensors(plain)
+
+
+def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
+    """One `serialized_named_tensors` item: base64 of a safetensors file holding `tensors`."""
+    return base64.b64encode(safetensors_bytes(tensors)).decode("ascii")
 
 
 def decode_named_tensors(serialized: list[bytes] | list[str]) -> dict[str, torch.Tensor]:

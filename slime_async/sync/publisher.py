@@ -28,9 +28,9 @@ from typing import Any
 import aiohttp
 import msgspec
 import torch
-from safetensors.torch import save as save_safetensors
 
 from slime_async.config.schema import SyncConfig
+from slime_async.engine.weights import safetensors_bytes
 from slime_async.sync.buckets import bucket_named_tensors
 from slime_async.sync.disk import prune_versions, write_version
 
@@ -38,21 +38,6 @@ log = logging.getLogger(__name__)
 
 NamedWeights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 """Called once per publish: yields (HF name, tensor) for every parameter (`TrainerBackend.named_weights`)."""
-
-
-def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    """A safetensors file in memory. msgspec writes bytes as base64, so the request carries exactly
-    what `engine.weights.encode_named_tensors` makes (base64 of a safetensors file) without the extra
-    copies of building the base64 string first."""
-    plain: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        if t.data_ptr() in seen:  # tied weights share storage, which safetensors refuses
-            t = t.clone()
-        seen.add(t.data_ptr())
-        plain[name] = t
-    return save_safetensors(plain)
 
 
 class PushError(RuntimeError):
@@ -229,7 +214,7 @@ class WeightPublisher:
                 bodies = []
                 for i, bucket in enumerate(buckets):
                     last = i == len(buckets) - 1
-                    body: dict[str, Any] = {"serialized_named_tensors": [_safetensors_bytes(bucket)],
+                    body: dict[str, Any] = {"serialized_named_tensors": [safetensors_bytes(bucket)],
                                             "flush_cache": last}
                     if last:
                         body["weight_version"] = str(version)
