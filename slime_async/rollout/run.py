@@ -43,7 +43,12 @@ def rollout_to_file(cfg: Config, model_dir: Path, out: Path, groups: int, split:
 async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: str, console: Console) -> RolloutStats:
     from transformers import AutoTokenizer
 
-    factory = EnvFactory.from_config(cfg.env.name, cfg.env.args)
+    from slime_async.data import build_envs, build_tasks
+
+    factory = build_envs(cfg)
+    # the config's `data:` section when it names a dataset; else the env's own tasks of `split`
+    tasks = build_tasks(cfg, factory) if cfg.data.source != "env" else EnvFactory.from_config(
+        cfg.env.name, cfg.env.args).tasks(split)  # type: ignore[arg-type]
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     engines: list[EngineProcess] = []
     urls = list(cfg.engine.urls)
@@ -56,7 +61,7 @@ async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: 
     try:
         async with SGLangClient(urls) as client:
             scheduler = Scheduler(
-                factory, factory.tasks(split), client, tokenizer, sink,  # type: ignore[arg-type]
+                factory, tasks, client, tokenizer, sink,
                 group_size=r.group_size, batch_size=r.batch_size, max_staleness=r.max_staleness,
                 # evaluation and data generation keep every group: filtering is for training
                 max_concurrency=r.max_concurrency, filter_equal_rewards=False,

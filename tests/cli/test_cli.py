@@ -128,3 +128,18 @@ def test_real_entry_point_process() -> None:
     )
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "x: unknown key" in bad.stderr
+
+
+def test_rollout_reads_the_data_section(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A JSONL dataset (one bad row, skipped and counted) instead of the env's own tasks."""
+    monkeypatch.chdir(REPO)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "What is 2+2?", "label": "4"}\nnot json\n{"prompt": "And 3+3?", "label": "6"}\n')
+    out = tmp_path / "t.jsonl"
+    result = invoke("rollout", "configs/local.yaml", "--groups", "2", "--out", str(out), "rollout.group_size=2",
+                    "rollout.sampling.max_new_tokens=4", "data.source=jsonl", f"data.path={data}",
+                    "env.name=envs.chat:ChatEnv", "env.args={verifier: exact}")
+    assert result.exit_code == 0, result.output
+    trajectories = [from_json(line, Trajectory) for line in out.read_bytes().splitlines()]
+    assert len(trajectories) == 4 and {t.env for t in trajectories} == {"envs.chat:ChatEnv"}
+    assert len({t.task_id for t in trajectories}) == 2
