@@ -72,9 +72,7 @@ def suites_from_config(cfg: Config) -> list[EvalSuite]:
                             validate=envs.check if isinstance(envs, EnvRouter) else None)
         tasks = list(itertools.islice(stream, s.max_tasks))
         if s.sampling is not None:
-            sp = s.sampling
-            sampling = Sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                                max_new_tokens=sp.max_new_tokens)
+            sampling = Sampling.from_config(s.sampling)
         else:
             sampling = Sampling(temperature=0.0, max_new_tokens=cfg.rollout.sampling.max_new_tokens)
         suites.append(EvalSuite(name=s.name, envs=envs, tasks=tasks, n_samples=s.n_samples, sampling=sampling,

@@ -25,6 +25,12 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     max_new_tokens: int = 128
     stop_token_ids: list[int] = []
 
+    @classmethod
+    def from_config(cls, sampling: Any) -> Sampling:
+        """From a config `SamplingConfig` (the `rollout.sampling` section or an eval suite's)."""
+        return cls(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                   max_new_tokens=sampling.max_new_tokens)
+
     def to_sglang(self) -> dict[str, Any]:
         """`sampling_params` of SGLang's `/generate`."""
         out = msgspec.structs.asdict(self)

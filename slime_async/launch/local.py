@@ -22,6 +22,15 @@ from slime_async.config.model_dir import resolve_model_path
 from slime_async.launch.process import ChildProcess, start_engine, start_process
 
 
+def engine_args(cfg: Config, i: int) -> list[str]:
+    """`slime-async serve` options of engine i, as the config describes the engines."""
+    args = ["--device", cfg.model.device, "--dtype", cfg.model.dtype, "--max-batch-size",
+            str(cfg.engine.max_batch_size), "--seed", str(cfg.run.seed + i), "--host", cfg.engine.host]
+    if cfg.engine.admin_token:
+        args += ["--admin-token", cfg.engine.admin_token]
+    return args
+
+
 class PartFailed(RuntimeError):
     """A part died more often than `launch.max_restarts` allows; the message has its log's tail."""
 
@@ -100,10 +109,7 @@ class LocalLauncher:
 
     def _engine_starter(self, model_dir: Path, i: int, logs: Path, timeout: float) -> Callable[[], ChildProcess]:
         c = self.cfg
-        args = ["--device", c.model.device, "--dtype", c.model.dtype, "--max-batch-size",
-                str(c.engine.max_batch_size), "--seed", str(c.run.seed + i), "--host", c.engine.host]
-        if c.engine.admin_token:
-            args += ["--admin-token", c.engine.admin_token]
+        args = engine_args(c, i)
         port = [c.engine.port + i if c.engine.port else 0]
 
         def start() -> ChildProcess:

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from slime_async.config import Config
 from slime_async.env import EnvFactory, Sampling
+from slime_async.launch.local import engine_args
 from slime_async.launch.process import EngineProcess, start_engine
 from slime_async.rollout.client import SGLangClient
 from slime_async.rollout.scheduler import RolloutStats, Scheduler
@@ -21,12 +22,10 @@ from slime_async.rollout.sinks import JsonlSink
 
 def start_embedded_engines(cfg: Config, model_dir: Path) -> list[EngineProcess]:
     """`engine.num_engines` embedded engine processes on `model_dir`, as the config describes them."""
-    args = ["--device", cfg.model.device, "--dtype", cfg.model.dtype,
-            "--max-batch-size", str(cfg.engine.max_batch_size), "--seed", str(cfg.run.seed)]
     procs: list[EngineProcess] = []
     try:
-        for _ in range(cfg.engine.num_engines):
-            procs.append(start_engine(model_dir, *args))
+        for i in range(cfg.engine.num_engines):
+            procs.append(start_engine(model_dir, *engine_args(cfg, i)))
     except BaseException:
         for p in procs:
             p.stop()
@@ -65,8 +64,7 @@ async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: 
                 group_size=r.group_size, batch_size=r.batch_size, max_staleness=r.max_staleness,
                 # evaluation and data generation keep every group: filtering is for training
                 max_concurrency=r.max_concurrency, filter_equal_rewards=False,
-                sampling=Sampling(temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
-                                  max_new_tokens=r.sampling.max_new_tokens),
+                sampling=Sampling.from_config(r.sampling),
             )
             # Rollout alone never trains, so nothing would ever raise the version: lift the bound.
             scheduler.budget.max_staleness = 1 << 30

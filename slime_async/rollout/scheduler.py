@@ -23,7 +23,7 @@ import numpy as np
 
 from slime_async.env import EnvFactory, Generation, Limits, Sampling, VerifierPool, apply_group_rewards
 from slime_async.rollout.admission import StalenessBudget
-from slime_async.rollout.client import ServerError, SGLangClient
+from slime_async.rollout.client import SGLangClient
 from slime_async.rollout.sinks import Sink
 from slime_async.types import StopReason, Task, Trajectory, new_id
 
@@ -216,9 +216,6 @@ class Scheduler:
                 limits=self.limits, sampling=self.sampling, stop=self._stop, group_id=group_id,
                 sample_index=index, verifiers=self.verifiers,
             )
-        except ServerError as exc:  # run_episode turns policy errors into SERVER_ERROR; this is a guard
-            log.error("episode %s failed: %s", episode, exc)
-            raise
         finally:
             self._slots.release()
             self.client.release(episode)

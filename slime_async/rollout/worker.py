@@ -43,8 +43,7 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
     state = load_state(data_state) if data_state and Path(data_state).exists() else None
     tasks = build_tasks(cfg, envs, state=state, shard=(worker, num_workers))
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.path)))
-    sampling = Sampling(temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
-                        max_new_tokens=r.sampling.max_new_tokens)
+    sampling = Sampling.from_config(r.sampling)
     # Each worker admits its share of the batch, so that the workers together keep the global bound.
     batch_share = max(1, r.batch_size // num_workers)
     async with SGLangClient(engines) as client, AsyncSender(buffer, name=f"rollout-{worker}",
