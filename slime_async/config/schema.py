@@ -216,7 +216,12 @@ class TrainConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
     steps: PositiveInt = 200
     """Optimizer steps to run."""
+    time_limit_s: PositiveFloat | None = None
+    """Stop training after this many seconds (from the trainer's start), as if `steps` were reached
+    (a final checkpoint, the run summary); null: no limit. For budgets such as "8 minutes of RL"."""
     lr: PositiveFloat = 1e-4
+    lr_warmup_steps: NonNegativeInt = 0
+    """Optimizer steps of linear learning-rate warm-up from lr/lr_warmup_steps to lr (0: none)."""
     loss: Literal["grpo", "dr_grpo", "gspo", "cispo", "ppo", "decoupled_ppo"] = "decoupled_ppo"
     """The recipe: policy loss, advantage estimator and aggregation together (`train.objective`
     lists each recipe's defaults). `decoupled_ppo` clips against the proximal policy and weights each
@@ -300,12 +305,40 @@ class SyncConfig(_Section):
     """Port of the NCCL rendezvous; 0 picks a free one."""
 
 
+class WarmstartConfig(_Section):
+    """A supervised warm-start on the env's demonstrations before RL (`slime_async.train.warmstart`),
+    and a check that the model it starts RL from succeeds often enough to learn from."""
+
+    enabled: bool = False
+    """Train on `Env.demonstration` episodes first; the result is cached by everything that shapes it."""
+    examples: PositiveInt = 4096
+    """Demonstration episodes (drawn from the env's train split)."""
+    epochs: PositiveInt = 1
+    batch_size: PositiveInt = 32
+    lr: PositiveFloat = 1e-3
+    """Peak learning rate: linear warm-up over `warmup_steps`, then cosine decay to 10%."""
+    warmup_steps: NonNegativeInt = 50
+    """Steps of linear learning-rate warm-up (a tiny model's Adam diverges from copying without it)."""
+    seed: int | None = None
+    """Seed of the demonstrations' order and of training; null: `run.seed`."""
+    min_success: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    """Stop before RL when the sampled success (reward >= 1, at `rollout.sampling`) of the model RL
+    starts from, on `check_tasks` held-out problems, is below this (0: no floor). RL cannot learn
+    from a model that never succeeds."""
+    check_tasks: NonNegativeInt = 0
+    """Held-out (eval split) problems on which success is measured before RL (the check) and after
+    it (the run summary), one sample at `rollout.sampling` and one greedy each; 0: not measured."""
+
+
 class LogConfig(_Section):
     tensorboard: bool = True
+    """Mirror the trainer's and the evaluation's metrics to TensorBoard event files under
+    `<run dir>/tensorboard/` (`tensorboard --logdir runs/NAME/tensorboard`)."""
     wandb_project: str | None = None
     """Log to Weights & Biases under this project when set."""
-    every_s: PositiveFloat = 10.0
-    """Seconds between metric lines."""
+    sample_every: NonNegativeInt = 10
+    """Every this many trainer steps, a few trajectories of the batch, decoded, go to
+    `<run dir>/samples.md` (0: none)."""
 
 
 class LaunchConfig(_Section):
@@ -327,5 +360,6 @@ class Config(_Section):
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     sync: SyncConfig = msgspec.field(default_factory=SyncConfig)
+    warmstart: WarmstartConfig = msgspec.field(default_factory=WarmstartConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     launch: LaunchConfig = msgspec.field(default_factory=LaunchConfig)

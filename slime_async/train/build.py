@@ -22,7 +22,7 @@ def build_backend(config: Config, model_path: str | Path | None = None) -> Train
     return TorchBackend(
         path, device=config.model.device, dtype=config.model.dtype, lr=tc.lr, betas=tc.adam_betas,
         eps=tc.adam_eps, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
-        micro_batch_size=tc.micro_batch_size, reference=tc.kl_coef > 0,
+        micro_batch_size=tc.micro_batch_size, reference=tc.kl_coef > 0, warmup_steps=tc.lr_warmup_steps,
     )
 
 

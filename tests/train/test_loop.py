@@ -177,3 +177,19 @@ async def test_loop_waits_for_data_and_trains_it_when_it_arrives(tiny_model_dir:
     source.add(make_trajectories(4))
     await asyncio.wait_for(run, timeout=120)
     assert trainer.version == 1 and records[0].trajectories == 4
+
+
+async def test_time_limit_ends_training_like_the_last_step(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    import time as real_time
+    import types
+
+    import slime_async.train.loop as loop_module
+
+    ticks = iter(range(0, 10_000, 10))  # a clock that moves 10 s each time the loop reads it
+    clock = types.SimpleNamespace(monotonic=lambda: float(next(ticks)), perf_counter=real_time.perf_counter)
+    monkeypatch.setattr(loop_module, "time", clock)
+    source = InMemorySource(make_trajectories(40))
+    trainer, records, _ = make(tiny_model_dir, source, time_limit_s=25.0)
+    await trainer.run(until_version=10)
+    assert trainer.version == 2 and [r.version for r in records] == [1, 2]  # checks at 10 s, 20 s; 30 s stops
