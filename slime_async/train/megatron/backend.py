@@ -38,7 +38,7 @@ from slime_async.train.megatron.model import (
 )
 from slime_async.train.megatron.optimizer import MegatronOptimizer, StepOptimizer, TorchOptimizer
 from slime_async.train.megatron.parallel import init_parallel
-from slime_async.train.megatron.weights import HFWeights, export_hf, load_hf, save_hf_dir
+from slime_async.train.megatron.weights import HFWeights, export_hf, load_hf, mark_tensor_parallel, save_hf_dir
 from slime_async.train.torch_backend import resolve_device
 
 LAYOUT_FILE = "megatron.json"
@@ -125,6 +125,7 @@ class MegatronBackend:
     def _build(self, weights: HFWeights) -> torch.nn.Module:
         model = build_gpt_model(self.shape, self.config, self.attention, pre_process=self.layout.first_stage,
                                 post_process=self.layout.last_stage, device=self.device)
+        mark_tensor_parallel(model, self.geometry)
         load_hf(model, weights, self.geometry, self.layout)
         return model
 

@@ -63,6 +63,20 @@ def global_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Paramet
         yield name, param
 
 
+def mark_tensor_parallel(model: torch.nn.Module, geo: names.Geometry) -> None:
+    """Flag the tensor-parallel parameters as Megatron's own initialisation would have.
+
+    Megatron sets `tensor_model_parallel` / `partition_dim` on a weight only while initialising it
+    (`perform_initialization`), which loading weights skips; without the flags, gradient norms count
+    every shard as a duplicate of rank 0's."""
+    for name, param in global_names(model):
+        s = names.slot(name, geo)
+        if s.partition_dim is not None and not getattr(param, "tensor_model_parallel", False):
+            param.tensor_model_parallel = True
+            param.partition_dim = s.partition_dim
+            param.partition_stride = 1
+
+
 @torch.no_grad()
 def load_hf(model: torch.nn.Module, weights: HFWeights, geo: names.Geometry, layout: Layout) -> None:
     """Copy this rank's shard of every parameter of `model` from the HF tensors (in place: the
