@@ -80,10 +80,14 @@ class ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         theta, inv_freq = _rope(config, head_dim, bad)
         multiple = vocab_multiple * tensor_parallel
+        padded = math.ceil(config.vocab_size / multiple) * multiple
+        if (padded - config.vocab_size) * tensor_parallel >= padded:
+            raise ValueError(f"train.megatron.vocab_multiple: padding {config.vocab_size} rows to {padded} leaves a "
+                             f"tensor-parallel rank nothing but padding; use a smaller multiple")
         return cls(
             model_type=kind, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
             num_heads=heads, num_kv_heads=kv, head_dim=head_dim, ffn_hidden_size=config.intermediate_size,
-            vocab_size=config.vocab_size, padded_vocab_size=math.ceil(config.vocab_size / multiple) * multiple,
+            vocab_size=config.vocab_size, padded_vocab_size=padded,
             rms_norm_eps=config.rms_norm_eps, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
             max_position_embeddings=config.max_position_embeddings, rope_theta=theta, inv_freq=inv_freq,
