@@ -88,3 +88,27 @@ def test_parallel_sizes_that_do_not_split_the_model_name_the_field(family_dirs: 
         MegatronBackend(family_dirs["qwen2"], device="cpu", parallel=MegatronConfig(data_parallel=2))
     with pytest.raises(ValueError, match=r"model\.dtype"):
         MegatronBackend(family_dirs["qwen2"], device="cpu", dtype="bfloat16")
+
+
+def test_a_bfloat16_model_is_bfloat16_throughout_and_close_to_float32(family_dirs: dict[str, Path],
+                                                                      backends: dict[str, MegatronBackend]) -> None:
+    """The GPU's mixed precision path, built on CPU: every parameter bf16 (the local spec's norms are
+    made in float32 by Megatron), forward and backward run, logits near the float32 model's."""
+    from slime_async.train.megatron.model import build_gpt_model, transformer_config
+    from slime_async.train.megatron.weights import HFWeights, load_hf, mark_tensor_parallel
+
+    be = backends["qwen3"]
+    config = transformer_config(be.shape, tensor_parallel=1, pipeline_parallel=1, dtype=torch.bfloat16, on_gpu=False)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(24).expand(2, -1)
+    with cpu_megatron():
+        model = build_gpt_model(be.shape, config, "sdpa")
+        mark_tensor_parallel(model, be.geometry)
+        load_hf(model, HFWeights(family_dirs["qwen3"]), be.geometry, be.layout)
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        low = model(input_ids=ids, position_ids=pos, attention_mask=None)
+        low.float().logsumexp(-1).sum().backward()
+        with torch.no_grad():
+            high = be.module(input_ids=ids, position_ids=pos, attention_mask=None)
+    assert low.dtype == torch.bfloat16 and all(p.grad is not None for p in model.parameters())
+    assert 0 < (low.float() - high).abs().max() < 0.25

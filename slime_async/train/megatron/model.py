@@ -238,6 +238,9 @@ def build_gpt_model(
         rotary_base=int(shape.rope_theta),
         rotary_percent=1.0,
     )
-    # transformers' frequencies (any supported scaling) instead of Megatron's own computation
+    # transformers' frequencies (any supported scaling) instead of Megatron's own computation; a plain
+    # attribute, so float32 whatever the parameters' dtype
     model.rotary_pos_emb.inv_freq = shape.inv_freq.to(device)
-    return model.to(device)
+    # every parameter in the config's dtype, as Megatron's Float16Module would make them: the local spec's
+    # torch norms are created in float32 (a bf16 model would then mix dtypes)
+    return model.to(device=device, dtype=config.params_dtype)
