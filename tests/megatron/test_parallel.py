@@ -1,7 +1,8 @@
 """Tensor and data parallelism for real: two gloo processes on CPU against the one-process torch backend.
 
-Under tensor parallelism 2 every weight, the vocabulary and the logits are split over two ranks
-(vocab-parallel log-softmax and entropy, sharded QKV and fc1, gathered export); under data
+Under tensor parallelism 2 (Qwen3: QK-norm over each rank's own heads) every weight, the vocabulary
+and the logits are split over two ranks (vocab-parallel log-softmax and entropy, sharded QKV and
+fc1, gathered export); under data
 parallelism 2 the micro-batches are dealt to two ranks and gradients summed across them. Either way
 logprobs, entropies, loss, gradient norm and gradients equal the torch backend's, and the exported
 weights equal the HF checkpoint's before the step.
@@ -52,7 +53,7 @@ def run_world(model_dir: Path, out: Path, tp: int, world: int = 2, timeout: floa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "tp"), [("qwen2", 2), ("llama", 1)])
+@pytest.mark.parametrize(("family", "tp"), [("qwen3", 2), ("llama", 1)])
 def test_two_ranks_compute_what_one_torch_process_computes(family: str, tp: int, family_dirs: dict[str, Path],
                                                            tmp_path: Path) -> None:
     got = run_world(family_dirs[family], tmp_path / "out.pt", tp)

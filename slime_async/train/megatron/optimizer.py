@@ -47,6 +47,9 @@ class TorchOptimizer:
     def __init__(self, model: torch.nn.Module, layout: Layout, *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, grad_clip: float) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # QK-norm weights act on each rank's own heads: their gradients are partial sums over
+        # tensor-parallel ranks (Megatron's finalize_model_grads sums them the same way)
+        self.tp_summed = [p for n, p in model.named_parameters() if "q_layernorm" in n or "k_layernorm" in n]
         self.layout = layout
         self.grad_clip = grad_clip
         # foreach=False: the same rounding as the torch backend's AdamW, step for step
@@ -61,6 +64,10 @@ class TorchOptimizer:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         grads = [p.grad for p in self.params if p.grad is not None]
+        if self.layout.tp > 1:
+            for p in self.tp_summed:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.layout.tp_group)
         if self.layout.dp > 1:
             for g in grads:
                 dist.all_reduce(g, group=self.layout.dp_group)
