@@ -55,9 +55,12 @@ class HFWeights:
 
 
 def global_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(name with global layer numbers, parameter) of this stage's model."""
+    """(name with global layer numbers, parameter) of this stage's model; empty placeholders (which some
+    Transformer Engine layers register for absent biases) are skipped."""
     local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
     for name, param in model.named_parameters():
+        if param.numel() == 0:
+            continue
         if m := re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name):
             name = f"decoder.layers.{local_to_global[int(m.group(1))]}.{m.group(2)}"
         yield name, param
