@@ -21,6 +21,7 @@ skips the unfused-attention comparison and the largest micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import tempfile
@@ -143,6 +144,35 @@ def _time_steps(be: Any, batch: Any, steps: int) -> tuple[float, float]:
             fwd_s.append(t1 - t0)
             step_s.append(t2 - t1)
     return statistics.median(step_s), statistics.median(fwd_s)
+
+
+def _attention_kernels(rows: list, details: dict) -> None:
+    """Causal GQA attention alone at the model's shape (fwd + bwd), as SDPA picks its kernel and with
+    flash forced: says whether the train step's attention runs on a fused kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv, hd = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], \
+        SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
+    q = torch.randn(2, heads, SEQ, hd, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, kv, SEQ, hd, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    flops = 3 * 2 * 2 * 2 * heads * hd * SEQ * (SEQ + 1) / 2  # fwd + bwd, causal half, batch 2
+    for name, backends in (("default", None), ("flash", [SDPBackend.FLASH_ATTENTION])):
+        try:
+            times = []
+            for _ in range(6):
+                _sync()
+                t = time.perf_counter()
+                with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                    out.sum().backward()
+                _sync()
+                times.append(time.perf_counter() - t)
+            seconds = statistics.median(times[1:])
+            rows.append(["attention fwd+bwd", f"SDPA {name}", "", flops / seconds / 1e12, "", seconds * 1e3, "",
+                         f"2 x {SEQ} tokens, {heads}/{kv} heads of {hd}"])
+            details.setdefault("attention", {})[name] = {"seconds": seconds, "tflops": flops / seconds / 1e12}
+        except Exception as exc:  # a kernel that refuses these inputs is a finding, not a failure
+            rows.append(["attention fwd+bwd", f"SDPA {name}", "", "", "", "", "", f"refused: {exc}"[:200]])
 
 
 def _megatron(model_dir: Path, dtype: str, attention: str, micro: int, lr: float = 1e-5) -> Any:
@@ -305,6 +335,7 @@ def run(quick: bool = False) -> Result:
         details["params"] = sum(int(np.prod(p)) for p in _param_shapes(model_dir))
         be = None
         try:
+            _attention_kernels(rows, details)
             be = _throughput(model_dir, "sdpa", [1, 2] if quick else [1, 2, 4], phases_steps, rows, details)
             _export(be, model_dir, rows, details)
         except Exception:  # keep going: later phases still report
