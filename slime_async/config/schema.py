@@ -239,7 +239,7 @@ class MegatronConfig(_Section):
     """The embedding and output rows are padded to a multiple of this x tensor_parallel; padded
     logits are masked out of every softmax, and padded rows never reach exported weights."""
     recompute_activations: bool = False
-    """Recompute each layer's activations in the backward pass (less memory, ~1/3 more compute)."""
+    """Recompute each layer's activations in the backward pass (less memory, ~1/3 more compute; GPU only)."""
 
 
 class TrainConfig(_Section):

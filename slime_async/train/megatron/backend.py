@@ -70,6 +70,9 @@ class MegatronBackend:
         self.on_gpu = self.device.type == "cuda"
         if dtype == "bfloat16" and not self.on_gpu:
             raise ValueError("model.dtype: the megatron backend runs bfloat16 on GPU only; use float32 on CPU")
+        if cfg.recompute_activations and not self.on_gpu:
+            raise ValueError("train.megatron.recompute_activations: Megatron's recomputation saves CUDA RNG "
+                             "states; it needs a GPU")
         if cfg.pipeline_parallel > 1 and not self.on_gpu:
             raise ValueError("train.megatron.pipeline_parallel: pipeline parallelism needs a GPU "
                              "(Megatron's pipeline schedules run on CUDA)")
