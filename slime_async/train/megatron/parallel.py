@@ -81,8 +81,11 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, data_parallel: i
         ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                      pipeline_model_parallel_size=pipeline_parallel)
         if device.type == "cuda":
-            # the per-rank RNG streams Megatron's tensor-parallel layers expect to exist
+            # the per-rank RNG streams Megatron's layers expect to exist (nothing here draws from them:
+            # no dropout, weights are loaded); the process's own CUDA RNG (run.seed) is left as it was
+            state = torch.cuda.get_rng_state()
             mtp.model_parallel_cuda_manual_seed(1234)
+            torch.cuda.set_rng_state(state)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     return Layout(
