@@ -212,8 +212,40 @@ class BufferConfig(_Section):
     """Rewrite the log without trained trajectories after this many have been trained."""
 
 
+class MegatronConfig(_Section):
+    """Parallelism and kernels of the `megatron` trainer backend (ignored by `torch`).
+
+    Every process of the trainer runs the same calls (SPMD): world size = tensor_parallel x
+    pipeline_parallel x data_parallel. The processes and their `torch.distributed` environment
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) come from the launcher; a lone process
+    makes a world of one itself."""
+
+    tensor_parallel: PositiveInt = 1
+    """Tensor-parallel size: attention heads, MLP columns and the vocabulary are split this many ways.
+    Must divide the attention heads and, unless smaller than it, the key/value heads."""
+    pipeline_parallel: PositiveInt = 1
+    """Pipeline-parallel size: layers are split into this many stages (needs a GPU; must divide the
+    number of layers)."""
+    data_parallel: PositiveInt | None = None
+    """Data-parallel size; None: world size / (tensor_parallel x pipeline_parallel). Rows of a batch
+    are spread over data-parallel ranks; gradients are summed across them."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer; GPU only)."""
+    attention: Literal["auto", "sdpa", "local", "te"] = "auto"
+    """Core attention: `sdpa` is torch's scaled_dot_product_attention (flash kernels on GPU); `local`
+    Megatron's unfused attention (GPU only, for comparison); `te` Transformer Engine's layers (when
+    installed); `auto` picks `te` when Transformer Engine is importable on a GPU, else `sdpa`."""
+    vocab_multiple: PositiveInt = 128
+    """The embedding and output rows are padded to a multiple of this x tensor_parallel; padded
+    logits are masked out of every softmax, and padded rows never reach exported weights."""
+    recompute_activations: bool = False
+    """Recompute each layer's activations in the backward pass (less memory, ~1/3 more compute; GPU only)."""
+
+
 class TrainConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
+    """`torch`: a transformers model on CPU or one GPU. `megatron`: Megatron-core's GPT model with
+    tensor/pipeline/data parallelism (`train.megatron`), converted exactly from and to the HF model."""
     steps: PositiveInt = 200
     """Optimizer steps to run."""
     time_limit_s: PositiveFloat | None = None
@@ -281,6 +313,8 @@ class TrainConfig(_Section):
     """Save a checkpoint every this many steps; 0 only at the end."""
     keep_checkpoints: PositiveInt = 2
     """Most recent checkpoints kept; older ones are deleted."""
+    megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
+    """Settings of the `megatron` backend."""
 
 
 class SyncConfig(_Section):

@@ -157,9 +157,18 @@ async def test_build_trainer_from_config(tiny_model_dir: Path, tmp_path: Path) -
     assert trainer.publisher is None and not trainer.resume()
     await trainer.run(until_version=1)
     assert trainer.version == 1 and (tmp_path / "run" / "checkpoints" / "step_00000001" / "state.json").is_file()
+    # the same loop over the megatron backend, its checkpoint included (and resumed)
     cfg.train.backend = "megatron"
-    with pytest.raises(ValueError, match="megatron"):
-        build_trainer(cfg, source, engine_urls=[])
+    cfg.run.name = "mega"
+    trainer = build_trainer(cfg, InMemorySource(make_trajectories(4)), engine_urls=[])
+    assert type(trainer.backend).__name__ == "MegatronBackend"
+    await trainer.run(until_version=1)
+    step = tmp_path / "mega" / "checkpoints" / "step_00000001"
+    assert (step / "model" / "model.safetensors").is_file() and (step / "model" / "megatron.json").is_file()
+    again = build_trainer(cfg, InMemorySource(), engine_urls=[])
+    assert again.resume() and again.version == 1
+    for (n, p), (_, q) in zip(trainer.backend.named_weights(), again.backend.named_weights(), strict=True):
+        assert torch.equal(p, q), n
 
 
 async def test_loop_waits_for_data_and_trains_it_when_it_arrives(tiny_model_dir: Path) -> None:
