@@ -137,14 +137,41 @@ class MegatronOptimizer:
         return True, norm
 
     def save(self, directory: Path, layout: Layout) -> None:
-        torch.save(self.optimizer.state_dict(), _state_file(directory, layout))
+        state = {"megatron": self.optimizer.state_dict(), "adam_step": self._adam_step()}
+        torch.save(state, _state_file(directory, layout))
         if self.distributed:  # the sharded master weights and moments, gathered on data-parallel rank 0
             self.optimizer.save_parameter_state(str(directory / f"param_state_tp{layout.tp_rank:02d}"
                                                                 f"_pp{layout.pp_rank:02d}.pt"))
 
     def load(self, directory: Path, layout: Layout) -> None:
-        self.optimizer.load_state_dict(torch.load(_state_file(directory, layout), map_location=layout.device,
-                                                  weights_only=False))
+        state = torch.load(_state_file(directory, layout), map_location=layout.device, weights_only=False)
+        self.optimizer.load_state_dict(state["megatron"])
         if self.distributed:
+            # Without Apex/TE, Megatron falls back to torch's Adam, which keeps a per-parameter "step"
+            # that the distributed optimizer's parameter state neither saves nor expects (its loader
+            # copies every key of the live state): take it out for the load, put the saved one back.
+            states = self._inner_states()
+            for st in states:
+                st.pop("step", None)
             self.optimizer.load_parameter_state(str(directory / f"param_state_tp{layout.tp_rank:02d}"
                                                                 f"_pp{layout.pp_rank:02d}.pt"))
+            if state["adam_step"] is not None:
+                for st in states:
+                    if "exp_avg" in st:
+                        st["step"] = torch.tensor(float(state["adam_step"]))
+
+    def _inner_states(self) -> list[dict[str, Any]]:
+        """The per-parameter states of the torch optimizers inside Megatron's (chained) optimizer."""
+        out = []
+        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(sub, "optimizer", None)
+            if isinstance(inner, torch.optim.Optimizer):
+                out.extend(inner.state.values())
+        return out
+
+    def _adam_step(self) -> float | None:
+        """Adam's step count (every parameter's is the same), when the inner optimizer keeps it per parameter."""
+        for st in self._inner_states():
+            if "step" in st:
+                return float(st["step"])
+        return None
