@@ -21,7 +21,7 @@ GOAL = 2.5
 
 
 def run(quick: bool = False) -> Result:
-    steps = 10 if quick else 40
+    steps = 10 if quick else 20
     latency = 0.5  # median seconds per tool call; p99 5 s
     rows, runs = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:

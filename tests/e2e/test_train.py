@@ -60,7 +60,7 @@ def test_train_runs_every_part_and_accounts_for_every_trajectory(tmp_path: Path)
     assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"] and b["trained"] >= 24
     for key in ("success_before", "success_after"):
         assert summary[key]["tasks"] == 8 and 0.0 <= summary[key]["sampled"] <= 1.0
-    assert summary["warmstart"]["demonstrations"] == 64 and summary["warmstart"]["steps"] == 4
+    assert summary["warmstart"]["demonstrations"] == 64 and summary["warmstart"]["steps"] == 2  # batches of 32
     (worker,) = summary["rollout"]  # the rollout worker's own figures reached the launcher
     assert worker["sent"] == b["received"] > 0 and worker["in_flight"] == 0
     assert "DONE" in (run / "logs" / "rollout-0.log").read_text() and "balanced=True" in (
