@@ -127,6 +127,8 @@ def serve(
     context_length: Annotated[int | None, typer.Option(help="Longest sequence; default the model's.")] = None,
     seed: int = 0,
     admin_token: Annotated[str | None, typer.Option(help="Required off loopback for weight/pause endpoints.")] = None,
+    weight_version: Annotated[str, typer.Option(
+        help="Version reported until the first weight update (a non-number: clients refuse its tokens).")] = "0",
 ) -> None:
     """Start the embedded inference engine (SGLang's HTTP API) on one model."""
     from slime_async.config.model_dir import resolve_model_path
@@ -143,7 +145,7 @@ def serve(
         fail(f"--dtype: got {dtype!r}; expected one of 'float32', 'bfloat16'")
     try:
         engine = load_engine(path, device=device, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
-                             context_length=context_length)
+                             context_length=context_length, weight_version=weight_version)
         serve_engine(engine, str(path), host=host, port=port, admin_token=admin_token)
     except (ValueError, OSError) as exc:
         fail(str(exc))

@@ -27,7 +27,8 @@ from slime_async.engine.weights import decode_named_tensors, read_checkpoint
 ADMIN_PATHS = {
     "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version",
     "/init_weights_update_group", "/update_weights_from_distributed", "/pause_generation",
-    "/continue_generation", "/flush_cache", "/abort_request",
+    "/continue_generation", "/flush_cache", "/abort_request", "/release_memory_occupation",
+    "/resume_memory_occupation",
 }
 
 
@@ -61,6 +62,8 @@ class EngineServer:
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_route("*", "/release_memory_occupation", self.release_memory_occupation)
+        r.add_route("*", "/resume_memory_occupation", self.resume_memory_occupation)
         r.add_post("/init_weights_update_group", self.unsupported_distributed)
         r.add_post("/update_weights_from_distributed", self.unsupported_distributed)
         self.started = time.time()
@@ -115,7 +118,7 @@ class EngineServer:
             "internal_states": [{
                 "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting), "paused": e.paused,
                 "decode_steps": e.steps, "generated_tokens": e.generated_tokens,
-                "finished_reqs": e.finished, "aborted_reqs": e.aborted,
+                "finished_reqs": e.finished, "aborted_reqs": e.aborted, "memory_released": sorted(e.released),
             }],
         })
 
@@ -261,6 +264,22 @@ class EngineServer:
             return error(400, str(exc))
         await self._engine_call(self.engine.resume)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        try:
+            req = await self._body(request, p.ReleaseMemoryOccupationReqInput)
+            await self._engine_call(lambda: self.engine.release_memory(req.tags))
+        except ValueError as exc:
+            return error(400, str(exc))
+        return web.json_response(None)  # SGLang's handler answers nothing on success
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        try:
+            req = await self._body(request, p.ResumeMemoryOccupationReqInput)
+        except ValueError as exc:
+            return error(400, str(exc))
+        await self._engine_call(lambda: self.engine.resume_memory(req.tags))
+        return web.json_response(None)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
