@@ -71,14 +71,19 @@ def train(
     overrides: OverridesArg = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in <run.dir>/<run.name>.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Delete that run directory first.")] = False,
+    ray: Annotated[str | None, typer.Option(
+        "--ray", metavar="[ADDRESS]",
+        help="Run every part as a Ray actor: on the cluster at ADDRESS (auto, ray://HOST:10001), or without "
+             "one on launch.ray.address, a cluster this node belongs to, or a new local instance.",
+    )] = None,
 ) -> None:
-    """Train: buffer, engines, trainer and rollout workers as processes, fully asynchronous."""
+    """Train: buffer, engines, trainer and rollout workers as processes (or Ray actors), fully asynchronous."""
     from slime_async.launch.local import PartFailed
     from slime_async.launch.train_run import train as run_training
 
     cfg = _load(config, overrides)
     try:
-        summary = run_training(cfg, resume=resume, overwrite=overwrite, console=console)
+        summary = run_training(cfg, resume=resume, overwrite=overwrite, console=console, ray=ray)
     except (PartFailed, RuntimeError) as exc:
         fail(str(exc))
     last = summary["last"] or {}
@@ -240,7 +245,21 @@ def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
 
 
 def main() -> None:
+    sys.argv = optional_value(sys.argv, "--ray")
     app()
+
+
+def optional_value(argv: list[str], flag: str) -> list[str]:
+    """Let `flag` stand alone (`train CONFIG --ray`) or take a value (`--ray ADDRESS`): alone means the
+    next word is absent, another option, an override (`key=value`) or a YAML file."""
+    out = list(argv)
+    for i, word in enumerate(out):
+        if word == flag:
+            following = out[i + 1] if i + 1 < len(out) else None
+            if following is None or following.startswith("-") or "=" in following or following.endswith(
+                    (".yaml", ".yml")):
+                out[i] = f"{flag}="
+    return out
 
 
 @app.command()

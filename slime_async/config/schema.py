@@ -337,7 +337,8 @@ class LogConfig(_Section):
 class RoleResources(_Section):
     """What one process of a role reserves in its Ray placement group bundle."""
 
-    cpus: NonNegativeFloat = 1.0
+    cpus: PositiveFloat = 1.0
+    """CPUs Ray reserves (fractions are fine: a rollout worker mostly waits on the network)."""
     gpus: NonNegativeInt = 0
     """Whole GPUs (an SGLang engine needs tp_size * pp_size * dp_size of them)."""
 

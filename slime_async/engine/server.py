@@ -78,8 +78,15 @@ class EngineServer:
 
     # --- info ---------------------------------------------------------------------------
 
+    def _awaiting_weights(self) -> web.Response | None:
+        """A replacement engine (started with a non-numeric weight version, e.g. `pending`) serves nothing
+        until the trainer's weights arrive with a version: 503 on /health and /generate till then."""
+        if self.engine.weight_version.lstrip("-").isdigit():
+            return None
+        return error(503, f"weight version {self.engine.weight_version!r}: waiting for the trainer's weights")
+
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return self._awaiting_weights() or web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         seqs = await self._run(p.GenerateReqInput(input_ids=[0], sampling_params=p.SamplingParams(
@@ -125,6 +132,9 @@ class EngineServer:
     # --- generation ---------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        waiting = self._awaiting_weights()
+        if waiting is not None:
+            return waiting
         try:
             req = p.decode_body(await request.read(), p.GenerateReqInput)
             prompt = self._validate(req)

@@ -22,7 +22,7 @@ from slime_async.config import Config
 from slime_async.config.sglang import server_args_spec, set_fields
 
 
-def sglang_argv(cfg: Config, *, model_path: str, host: str, port: int, index: int, weight_version: str,
+def sglang_argv(cfg: Config, *, model_path: str, host: str, port: int | str, index: int, weight_version: str,
                 release_memory: bool = False, python: str = sys.executable) -> list[str]:
     """`python -m sglang.launch_server` for engine `index` of the run."""
     fields = set_fields(cfg.sglang)
@@ -95,7 +95,7 @@ def router_executable() -> str:
     return found
 
 
-def router_argv(cfg: Config, worker_urls: list[str], host: str, port: int) -> list[str]:
+def router_argv(cfg: Config, worker_urls: list[str], host: str, port: int | str) -> list[str]:
     """`sglang-router launch` in front of `worker_urls`, with `engine.router`'s policy and options."""
     r = cfg.engine.router
     argv = [router_executable(), "launch", "--worker-urls", *worker_urls, "--host", host, "--port", str(port),

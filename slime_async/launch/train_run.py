@@ -1,4 +1,5 @@
-"""`slime-async train`: a run directory, every part as a process, a live view, a summary at the end.
+"""`slime-async train`: a run directory, every part as a process (here, or under Ray actors with
+`--ray`), a live view, a summary at the end.
 
 The run directory `<run.dir>/<run.name>` holds the resolved config (`config.yaml`, what every part
 reads), `logs/` (one file per part), `metrics.jsonl` (one line per trainer step, written by the
@@ -48,14 +49,24 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: Console | None = None) -> dict:
-    """Run the whole asynchronous loop locally until the trainer has done `train.steps` steps."""
+def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: Console | None = None,
+          ray: str | None = None) -> dict:
+    """Run the whole asynchronous loop until the trainer has done `train.steps` steps: locally, or on
+    a Ray cluster when `ray` is given (an address, or "" for `launch.ray.address` / Ray's discovery)."""
     console = console or Console()
     run_dir, config_path = prepare_run_dir(cfg, resume, overwrite)
-    launcher = LocalLauncher(cfg, config_path, run_dir)
+    launcher: LocalLauncher
+    if ray is not None:
+        from slime_async.launch.ray_launcher import RayLauncher
+
+        launcher = RayLauncher(cfg, config_path, run_dir, address=ray or None)
+    else:
+        launcher = LocalLauncher(cfg, config_path, run_dir)
     started = time.monotonic()
-    with console.status("starting buffer, engines, trainer and rollout workers ..."):
+    where = "as Ray actors" if ray is not None else "as processes"
+    with console.status(f"starting buffer, engines, trainer and rollout workers {where} ..."):
         launcher.start(on_event=lambda message: console.print(f"[yellow]{message}[/]"))
+    parts = launcher.describe()
     metrics_path = run_dir / "metrics.jsonl"
     try:
         with Live(_view(cfg, [], started), console=console, refresh_per_second=1) as live:
@@ -64,30 +75,25 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
                 return False
 
             launcher.supervise(done)
-        stop_rollout(launcher)  # what the workers finished reaches the buffer before it is counted
-        buffer_metrics = _buffer_metrics(launcher, cfg)
+        launcher.stop_rollout()  # what the workers finished reaches the buffer before it is counted
+        buffer_metrics = buffer_counts(launcher)
     finally:
         launcher.shutdown()
     records = read_metrics(metrics_path)
     evals = read_metrics(run_dir / "eval.jsonl")
-    summary = {"steps": len(records), "wall_s": time.monotonic() - started, "events": launcher.events,
+    summary = {"steps": len(records), "wall_s": time.monotonic() - started, "events": launcher.events, "parts": parts,
                "last": records[-1] if records else None, "buffer": buffer_metrics, "eval": evals,
                "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def stop_rollout(launcher: LocalLauncher) -> None:
-    for part in launcher.parts:
-        if part.name.startswith("rollout") and part.child is not None:
-            part.child.stop(timeout=60)
-
-
-def _buffer_metrics(launcher: LocalLauncher, cfg: Config) -> dict[str, int] | None:
+def buffer_counts(launcher: LocalLauncher) -> dict[str, int] | None:
     """received = trained + buffered + dropped, as the buffer counts them at the end of the run."""
     from slime_async.buffer import BufferClient
 
-    client = BufferClient(launcher.buffer_endpoint, curve_dir=cfg.buffer.curve_dir)
+    curve_dir = getattr(launcher, "client_curve_dir", None) or launcher.cfg.buffer.curve_dir
+    client = BufferClient(launcher.buffer_endpoint, curve_dir=curve_dir)
     try:
         return client.metrics(timeout=10)
     except TimeoutError:

@@ -236,6 +236,11 @@ class SGLangClient:
                 {"version": meta["weight_version"], "start": 0, "end": len(ids)}]
             versions = [0] * len(ids)
             for span in spans:
+                if not str(span["version"]).lstrip("-").isdigit():
+                    # a replacement engine reports a non-number (`pending`) until the trainer's push
+                    # brings it to the current version: its tokens are not used
+                    raise BadResponse(f"weight version {span['version']!r} is not a number (the server was not "
+                                      "brought up to date yet)")
                 v = int(span["version"])
                 versions[span["start"]:span["end"]] = [v] * (span["end"] - span["start"])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
