@@ -29,7 +29,7 @@ from slime_async.config import Config, ConfigError
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.launch.health import wait_healthy
 from slime_async.launch.process import start_process
-from slime_async.launch.sglang_command import router_argv, sglang_argv
+from slime_async.launch.sglang_command import preflight, router_argv, sglang_argv
 
 HOST, PORT, CONFIG = "@HOST@", "@PORT@", "@CONFIG@"
 """Placeholders in a part's command line, filled in where the process starts: the address it binds
@@ -150,6 +150,7 @@ class LocalLauncher:
         host = self.cfg.engine.host
         port = port or free_port(host)
         argv = [fill(a, host, port, str(self.config_path)) for a in argv]
+        preflight(argv)
         timeout = self.cfg.launch.ready_timeout_s
         child = start_process(name, argv, ready, timeout, self.run_dir / "logs" / f"{name}.log")
         if health_url is not None:

@@ -22,6 +22,7 @@ from typing import Any
 from slime_async.launch.health import wait_healthy
 from slime_async.launch.local import fill, free_port
 from slime_async.launch.process import ChildProcess, start_process
+from slime_async.launch.sglang_command import preflight
 
 SECRETS = "@SECRETS@"
 """Placeholder for the actor's private directory, in command lines and in the files it writes."""
@@ -56,6 +57,7 @@ class PartActor:
             path.chmod(0o600)
         config = str(self.dir / "config.yaml")
         argv = [fill(a, host, port, config).replace(SECRETS, str(self.dir)) for a in argv]
+        preflight(argv)
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a") as log:  # the command heads its log (an SGLang server's flags, say)
             log.write(f"$ {redacted(argv)}\n")

@@ -86,6 +86,13 @@ def check_with_sglang(argv: list[str]) -> None:
                          f"(python -m slime_async.config.sglang_extract)") from None
 
 
+def preflight(argv: list[str]) -> None:
+    """Before an SGLang server starts: parse its command with the installed SGLang's own parser, where
+    SGLang is importable (on the node that runs it). Other commands pass untouched."""
+    if "sglang.launch_server" in argv and sglang_available():
+        check_with_sglang(argv)
+
+
 def router_executable() -> str:
     """`sglang-router` beside this interpreter (a virtual environment's bin), else on PATH."""
     beside = Path(sys.executable).with_name("sglang-router")
