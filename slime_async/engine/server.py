@@ -278,9 +278,12 @@ class EngineServer:
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         try:
             req = await self._body(request, p.ReleaseMemoryOccupationReqInput)
+            before = _device_gib()
             await self._engine_call(lambda: self.engine.release_memory(req.tags))
         except ValueError as exc:
             return error(400, str(exc))
+        if before is not None:  # what a colocated trainer gains, in the engine's log
+            print(f"released {req.tags or 'all'}: {before:.2f} -> {_device_gib():.2f} GiB allocated", flush=True)
         return web.json_response(None)  # SGLang's handler answers nothing on success
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
@@ -341,6 +344,10 @@ class EngineServer:
         return web.json_response(
             {"success": False, "message": f"{request.path} (NCCL weight broadcast) is not supported by the "
              "embedded engine; use update_weights_from_tensor or update_weights_from_disk"}, status=501)
+
+
+def _device_gib() -> float | None:
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def _set(future: asyncio.Future, seq: Sequence) -> None:
