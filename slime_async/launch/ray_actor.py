@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_async.launch.health import wait_healthy
-from slime_async.launch.local import fill, free_port
+from slime_async.launch.local import HOST, fill, free_port
 from slime_async.launch.process import ChildProcess, start_process
 from slime_async.launch.sglang_command import preflight
 
@@ -53,7 +53,8 @@ class PartActor:
         for relative, content in files.items():
             path = self.dir / relative
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(content.replace(SECRETS.encode(), str(self.dir).encode()))
+            path.write_bytes(content.replace(SECRETS.encode(), str(self.dir).encode()).replace(HOST.encode(),
+                                                                                                 host.encode()))
             path.chmod(0o600)
         config = str(self.dir / "config.yaml")
         argv = [fill(a, host, port, config).replace(SECRETS, str(self.dir)) for a in argv]

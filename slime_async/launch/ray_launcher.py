@@ -91,7 +91,9 @@ class RayLauncher(LocalLauncher):
             model=msgspec.structs.replace(cfg.model, path=model),
             engine=msgspec.structs.replace(cfg.engine, host=host, admin_token=token),
             buffer=msgspec.structs.replace(cfg.buffer, endpoint=endpoint, curve_dir=f"{SECRETS}/curve"),
-            sync=msgspec.structs.replace(cfg.sync, release_memory=release),
+            # the trainer's NCCL rendezvous for weight broadcasts: its own node (filled in by its actor)
+            sync=msgspec.structs.replace(cfg.sync, release_memory=release, nccl_master_address=(
+                host if cfg.sync.nccl_master_address == "127.0.0.1" else cfg.sync.nccl_master_address)),
         )
 
     def _secret_files(self) -> dict[str, bytes]:

@@ -19,7 +19,8 @@ from rich.console import Console
 from slime_async.config import Config, load_config
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+# about a minute each on an idle 2-core machine; several times that when the cores are shared
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["rollout.batch_size=8", "rollout.group_size=4", "rollout.filter_equal_rewards=false",
          "rollout.sampling.max_new_tokens=16", "engine.port=0", "launch.ray.host=127.0.0.1", "launch.ray.engine.gpus=0",
@@ -101,15 +102,15 @@ def test_killed_engine_rollout_and_trainer_actors_are_replaced_and_the_run_compl
     events: list[str] = []
     launcher.start(on_event=events.append)
     try:
-        wait_for(lambda: len(metrics(run_dir)) >= 1, 120, "the first step")
+        wait_for(lambda: len(metrics(run_dir)) >= 1, 300, "the first step")
         engine = launcher.part("engine-0").child
         ray.kill(launcher.part("engine-0").child.actor)  # type: ignore[union-attr]
         ray.kill(launcher.part("rollout-0").child.actor)  # type: ignore[union-attr]
-        wait_for(lambda: (launcher.check() or True) and launcher.part("engine-0").child is not engine, 120,
+        wait_for(lambda: (launcher.check() or True) and launcher.part("engine-0").child is not engine, 300,
                  "the engine's replacement")
         assert launcher.part("engine-0").child.url == engine.url  # type: ignore[union-attr]  # same address
         steps_before = len(metrics(run_dir))
-        wait_for(lambda: (launcher.check() or True) and len(metrics(run_dir)) > steps_before, 120,
+        wait_for(lambda: (launcher.check() or True) and len(metrics(run_dir)) > steps_before, 300,
                  "a step after the replacements")
         ray.kill(launcher.part("trainer").child.actor)  # type: ignore[union-attr]
         launcher.supervise(lambda: False, interval=0.5)  # restarts the trainer, returns when it finished

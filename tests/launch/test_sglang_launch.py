@@ -18,7 +18,7 @@ from slime_async.launch.local import LocalLauncher
 from slime_async.launch.train_run import buffer_counts, prepare_run_dir
 from slime_async.sync import WeightPublisher
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 HERE = Path(__file__).resolve().parent
 
 
@@ -46,9 +46,9 @@ def test_sglang_engines_behind_the_router_with_a_replaced_engine(tmp_path: Path,
         assert router_url != engine_url
         assert asyncio.run(router_workers(router_url)) == {engine_url: True}
         metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while not (metrics.exists() and metrics.read_text().strip()):
-            assert time.monotonic() < deadline, "no step within 120 s"
+            assert time.monotonic() < deadline, "no step within 300 s"
             launcher.check()
             time.sleep(0.2)
         engine = launcher.part("engine-0").child
