@@ -58,7 +58,7 @@ async def eval_rounds(cfg: Config, suites: list[EvalSuite], engines: list[str], 
         log.warning("data.eval_every is 0: no rounds are scheduled (use --once for one round)")
     due = 0
     rounds = 0
-    async with aiohttp.ClientSession() as session, SGLangClient(engines) as client:
+    async with aiohttp.ClientSession() as session, SGLangClient(engines, admin_token=cfg.engine.admin_token) as client:
         while not stop.is_set():
             version = await engine_version(session, engines)
             if version is not None and (once or (every > 0 and version >= due)):

@@ -282,8 +282,9 @@ class EngineServer:
             await self._engine_call(lambda: self.engine.release_memory(req.tags))
         except ValueError as exc:
             return error(400, str(exc))
-        if before is not None:  # what a colocated trainer gains, in the engine's log
-            print(f"released {req.tags or 'all'}: {before:.2f} -> {_device_gib():.2f} GiB allocated", flush=True)
+        # in the engine's log: when, and what a colocated trainer gains
+        gained = f": {before:.2f} -> {_device_gib():.2f} GiB allocated" if before is not None else ""
+        print(f"released {req.tags or 'all'}{gained}", flush=True)
         return web.json_response(None)  # SGLang's handler answers nothing on success
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:

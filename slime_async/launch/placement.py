@@ -113,7 +113,8 @@ def create(cfg: Config, name: str, timeout: float, with_trainer: bool = True) ->
                            "or add nodes") from None
     slots: dict[str, list[Slot]] = {}
     for role, group in groups.items():
-        slots[role] = [Slot(group, i, b["CPU"], *_probe(group, i, int(b.get("GPU", 0))))
+        # an actor asks for its role's CPUs, not its bundle's (a colocated engine's are in the bundle too)
+        slots[role] = [Slot(group, i, getattr(r, role).cpus, *_probe(group, i, int(b.get("GPU", 0))))
                        for i, b in enumerate(wanted[role])]
     if r.layout == "colocated" and counts(cfg, with_trainer)["engine"]:
         g = r.engine.gpus

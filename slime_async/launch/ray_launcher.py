@@ -127,6 +127,18 @@ class RayLauncher(LocalLauncher):
         self.actors[name] = actor
         return actor
 
+    def _node(self, name: str, actor: Any) -> tuple[str, int]:
+        """The actor's address and a free port there, once Ray has started it (bounded)."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        timeout = self.cfg.launch.ready_timeout_s
+        try:
+            return ray.get(actor.node.remote(self.cfg.launch.ray.host), timeout=timeout)
+        except GetTimeoutError:
+            raise RuntimeError(f"{name}: Ray did not start its actor within {timeout:.0f} s (launch.ready_timeout_s); "
+                               f"free now: {ray.available_resources()}") from None
+
     def _start_args(self, name: str, host: str, port: int, wait: bool = True,
                     health_url: str | None = None) -> dict[str, Any]:
         role, _, index = name.partition("-")
@@ -143,7 +155,7 @@ class RayLauncher(LocalLauncher):
         import ray
 
         actor = self._new_actor(name)
-        host, free = ray.get(actor.node.remote(self.cfg.launch.ray.host))
+        host, free = self._node(name, actor)
         start = actor.start.remote(argv, ready, **self._start_args(name, host, port or free, health_url=health_url))
         try:
             reported = ray.get(start, timeout=self.cfg.launch.ready_timeout_s + 60)
@@ -170,10 +182,10 @@ class RayLauncher(LocalLauncher):
         import ray
 
         actors = [self._new_actor(name) for name in names]
-        master_host, master_port = ray.get(actors[0].node.remote(self.cfg.launch.ray.host))
+        master_host, master_port = self._node(names[0], actors[0])
         init = f"tcp://{master_host}:{master_port}"
         for rank, (name, actor) in enumerate(zip(names, actors, strict=True)):
-            host, port = ray.get(actor.node.remote(self.cfg.launch.ray.host))
+            host, port = self._node(name, actor)
             argv = [*self._trainer_argv(), "--rank", str(rank), "--world-size", str(len(names)), "--dist-init", init]
             ray.get(actor.start.remote(argv, r"^READY", **self._start_args(name, host, port, wait=False)))
         timeout = self.cfg.launch.ready_timeout_s

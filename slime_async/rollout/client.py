@@ -85,6 +85,7 @@ class SGLangClient:
         unhealthy_after: int = 2,
         health_interval: float = 2.0,
         max_resumes: int = 16,
+        admin_token: str | None = None,
     ) -> None:
         if not urls:
             raise ValueError("engine urls: at least one server URL is needed")
@@ -97,6 +98,8 @@ class SGLangClient:
         self.unhealthy_after = unhealthy_after
         self.health_interval = health_interval
         self.max_resumes = max_resumes
+        self._admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        """`/abort_request` is an admin endpoint: engines with an admin token refuse it without."""
         self.latest_version = -1
         """Highest weight version any server reported (the weight-sync protocol's stamp)."""
         self.stats = ClientStats()
@@ -287,7 +290,7 @@ class SGLangClient:
         async def abort() -> None:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
                 assert session is not None
-                async with session.post(server.url + "/abort_request", json={"rid": rid},
+                async with session.post(server.url + "/abort_request", json={"rid": rid}, headers=self._admin,
                                         timeout=aiohttp.ClientTimeout(total=5)):
                     self.stats.aborts_sent += 1
 

@@ -2,7 +2,8 @@
 
 The runs are the embedded default made small (a few steps of 8 trajectories of at most 16 tokens);
 Ray's logical CPUs are shared out in fractions so that all parts fit on this machine's two cores.
-Everything binds to loopback (`launch.ray.host=127.0.0.1`).
+Everything binds to loopback (`launch.ray.host=127.0.0.1`). Ray is given one logical GPU, so that
+the colocated layout can be placed; the processes still compute on CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ SMALL = ["rollout.batch_size=8", "rollout.group_size=4", "rollout.filter_equal_r
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    # one logical GPU (there is none): enough for Ray to place a colocated layout and name "GPU 0"
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     ray.shutdown()
 
@@ -140,3 +142,22 @@ def test_killed_engine_rollout_and_trainer_actors_are_replaced_and_the_run_compl
     assert final_engine_version == 5  # the replacement was brought to the trainer's version
     assert "resumed=True" in (run_dir / "logs" / "trainer.log").read_text()
     assert not launcher.actors
+
+
+def test_colocated_engine_shares_the_trainers_gpu_and_gives_its_memory_back_each_step(
+    cluster: None, tmp_path: Path
+) -> None:
+    from slime_async.launch.train_run import train
+
+    cfg = small_config(tmp_path, "train.steps=3", "launch.ray.layout=colocated", "launch.ray.engine.gpus=1",
+                       "launch.ray.trainer.gpus=1")
+    summary = train(cfg, overwrite=True, console=Console(file=io.StringIO()), ray="")
+    run = tmp_path / "local"
+    assert [m["version"] for m in metrics(run)] == [1, 2, 3]
+    parts = summary["parts"]
+    assert parts["engine-0"].endswith("(bundle 0, GPUs 0)") and parts["trainer"].endswith("(bundle 0, GPUs 0)")
+    assert "bundle 0, GPUs" not in parts["rollout-0"]
+    # released before each step's GPU work, taken back with the step's weights (sync.release_memory)
+    assert (run / "logs" / "engine-0.log").read_text().count("released all") == 3
+    b = summary["buffer"]
+    assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"]
