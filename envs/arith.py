@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import warnings
 from collections.abc import Callable
 
 MAX_EXPRESSION_CHARS = 200
@@ -46,7 +47,11 @@ def _parse(expression: str) -> ast.Expression:
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ExpressionError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
-        return ast.parse(expression.strip(), mode="eval")
+        with warnings.catch_warnings():
+            # model-written text such as "12x" makes the parser warn on stderr before it fails;
+            # the failure is the answer (a ToolError the model sees), the warning is noise
+            warnings.simplefilter("ignore", SyntaxWarning)
+            return ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
         raise ExpressionError(f"not an arithmetic expression: {expression!r}") from None
 

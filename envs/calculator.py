@@ -16,7 +16,9 @@ for a supervised warm-start.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import math
 import random
 import re
 from collections.abc import Iterable, Iterator
@@ -59,6 +61,11 @@ class CalculatorArgs(EnvArgs):
     max_ops_per_call: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """Operations one `calculate` call may hold; None: 2 for two_step, unbounded for one_step."""
     show_tool_schemas: bool = False
+    tool_latency_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """Median of an injected, lognormal delay of each `calculate` call (0: none): a stand-in for
+    real tools, whose latency has a long tail."""
+    tool_latency_p99: Annotated[float, msgspec.Meta(ge=1.0)] = 10.0
+    """The injected delay's p99 as a multiple of its median (lognormal sigma = ln(this) / 2.326)."""
     limits: Limits = msgspec.field(default_factory=lambda: Limits(max_turns=4, max_total_tokens=512, max_tool_calls=4))
 
 
@@ -82,9 +89,16 @@ class CalculatorEnv(Env):
                     break
         return out
 
+    @classmethod
+    def demonstration(cls, args: EnvArgs, task: Task) -> list[str]:
+        return demo_replies(task)
+
     @tool
     async def calculate(self, expression: Annotated[str, "arithmetic, e.g. 12*34+5"]) -> str:
         """Evaluate an arithmetic expression."""
+        if self.args.tool_latency_s > 0:
+            sigma = math.log(self.args.tool_latency_p99) / 2.326
+            await asyncio.sleep(random.lognormvariate(math.log(self.args.tool_latency_s), sigma))
         # Async on purpose: it is bounded (200 characters, exponent <= 64), so a thread hop would
         # cost more than the work.
         try:

@@ -52,6 +52,13 @@ class GuessNumberEnv(Env):
     def question(high: int) -> str:
         return f"Guess my number from 1 to {high}. Reply with one number."
 
+    @classmethod
+    def demonstration(cls, args: EnvArgs, task: Task) -> list[str]:
+        # Random guesses within the bounds the feedback leaves, not binary search: the warm-start
+        # teaches the game's form and leaves RL a better search to find (fewer guesses, more reward).
+        assert isinstance(args, GuessArgs)
+        return random_search_replies(int(task.answer), args.high, random.Random(task.id))
+
     async def on_reply(self, message: Message) -> list[Message] | None:
         found = _INT.findall(message.content)
         if not found:
@@ -86,6 +93,17 @@ def binary_search_replies(target: int, high: int = 1024) -> list[str]:
         if mid == target:
             return out
         lo, hi = (mid + 1, hi) if mid < target else (lo, mid - 1)
+
+
+def random_search_replies(target: int, high: int, rng: random.Random) -> list[str]:
+    """Uniform guesses within the bounds that "higher"/"lower" leave, until `target` (about 2 ln(high) guesses)."""
+    lo, hi, out = 1, high, []
+    while True:
+        guess = rng.randint(lo, hi)
+        out.append(str(guess))
+        if guess == target:
+            return out
+        lo, hi = (guess + 1, hi) if guess < target else (lo, guess - 1)
 
 
 def _split_of(n: int) -> Split:

@@ -86,10 +86,11 @@ def train(
         summary = run_training(cfg, resume=resume, overwrite=overwrite, console=console, ray=ray)
     except (PartFailed, RuntimeError) as exc:
         fail(str(exc))
-    last = summary["last"] or {}
+    from slime_async.launch.train_run import summary_table
+
     console.print()
-    console.print(f"done: {summary['steps']} trainer steps in {summary['wall_s']:.0f} s, version "
-                  f"{last.get('version', 0)}; run directory {summary['run_dir']}")
+    console.print(summary_table(summary))
+    console.print(f"run directory {summary['run_dir']} (summary.json, metrics.jsonl, samples.md, tensorboard/)")
 
 
 @app.command()

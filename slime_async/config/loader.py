@@ -19,6 +19,18 @@ import yaml
 
 from slime_async.config.schema import Config
 
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1's SafeLoader, except that `1e-4` is a float as in YAML 1.2 (and every other
+    language): 1.1 reads exponents without a dot as strings, a trap for learning rates."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
 T = TypeVar("T", bound=msgspec.Struct)
 
 
@@ -58,7 +70,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     if not sep or not all(keys):
         raise ConfigError(f"override {text!r}: expected key.sub=value, e.g. rollout.group_size=8")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = yaml.load(value, Loader=_Loader) if value.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: the value is not valid YAML ({_first_line(exc)})") from None
     return keys, parsed
@@ -73,7 +85,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""

@@ -229,11 +229,48 @@ class BufferConfig(_Section):
     """Rewrite the log without trained trajectories after this many have been trained."""
 
 
+class MegatronConfig(_Section):
+    """Parallelism and kernels of the `megatron` trainer backend (ignored by `torch`).
+
+    Every process of the trainer runs the same calls (SPMD): world size = tensor_parallel x
+    pipeline_parallel x data_parallel. The processes and their `torch.distributed` environment
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) come from the launcher; a lone process
+    makes a world of one itself."""
+
+    tensor_parallel: PositiveInt = 1
+    """Tensor-parallel size: attention heads, MLP columns and the vocabulary are split this many ways.
+    Must divide the attention heads and, unless smaller than it, the key/value heads."""
+    pipeline_parallel: PositiveInt = 1
+    """Pipeline-parallel size: layers are split into this many stages (needs a GPU; must divide the
+    number of layers)."""
+    data_parallel: PositiveInt | None = None
+    """Data-parallel size; None: world size / (tensor_parallel x pipeline_parallel). Rows of a batch
+    are spread over data-parallel ranks; gradients are summed across them."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer; GPU only)."""
+    attention: Literal["auto", "sdpa", "local", "te"] = "auto"
+    """Core attention: `sdpa` is torch's scaled_dot_product_attention (flash kernels on GPU); `local`
+    Megatron's unfused attention (GPU only, for comparison); `te` Transformer Engine's layers (when
+    installed); `auto` picks `te` when Transformer Engine is importable on a GPU, else `sdpa`."""
+    vocab_multiple: PositiveInt = 128
+    """The embedding and output rows are padded to a multiple of this x tensor_parallel; padded
+    logits are masked out of every softmax, and padded rows never reach exported weights."""
+    recompute_activations: bool = False
+    """Recompute each layer's activations in the backward pass (less memory, ~1/3 more compute; GPU only)."""
+
+
 class TrainConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
+    """`torch`: a transformers model on CPU or one GPU. `megatron`: Megatron-core's GPT model with
+    tensor/pipeline/data parallelism (`train.megatron`), converted exactly from and to the HF model."""
     steps: PositiveInt = 200
     """Optimizer steps to run."""
+    time_limit_s: PositiveFloat | None = None
+    """Stop training after this many seconds (from the trainer's start), as if `steps` were reached
+    (a final checkpoint, the run summary); null: no limit. For budgets such as "8 minutes of RL"."""
     lr: PositiveFloat = 1e-4
+    lr_warmup_steps: NonNegativeInt = 0
+    """Optimizer steps of linear learning-rate warm-up from lr/lr_warmup_steps to lr (0: none)."""
     loss: Literal["grpo", "dr_grpo", "gspo", "cispo", "ppo", "decoupled_ppo"] = "decoupled_ppo"
     """The recipe: policy loss, advantage estimator and aggregation together (`train.objective`
     lists each recipe's defaults). `decoupled_ppo` clips against the proximal policy and weights each
@@ -297,6 +334,8 @@ class TrainConfig(_Section):
     """Save a checkpoint every this many steps; 0 only at the end."""
     keep_checkpoints: PositiveInt = 2
     """Most recent checkpoints kept; older ones are deleted."""
+    megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
+    """Settings of the `megatron` backend."""
 
 
 class SyncConfig(_Section):
@@ -326,12 +365,40 @@ class SyncConfig(_Section):
     is `colocated` under `--ray`, else off."""
 
 
+class WarmstartConfig(_Section):
+    """A supervised warm-start on the env's demonstrations before RL (`slime_async.train.warmstart`),
+    and a check that the model it starts RL from succeeds often enough to learn from."""
+
+    enabled: bool = False
+    """Train on `Env.demonstration` episodes first; the result is cached by everything that shapes it."""
+    examples: PositiveInt = 4096
+    """Demonstration episodes (drawn from the env's train split)."""
+    epochs: PositiveInt = 1
+    batch_size: PositiveInt = 32
+    lr: PositiveFloat = 1e-3
+    """Peak learning rate: linear warm-up over `warmup_steps`, then cosine decay to 10%."""
+    warmup_steps: NonNegativeInt = 50
+    """Steps of linear learning-rate warm-up (a tiny model's Adam diverges from copying without it)."""
+    seed: int | None = None
+    """Seed of the demonstrations' order and of training; null: `run.seed`."""
+    min_success: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    """Stop before RL when the sampled success (reward >= 1, at `rollout.sampling`) of the model RL
+    starts from, on `check_tasks` held-out problems, is below this (0: no floor). RL cannot learn
+    from a model that never succeeds."""
+    check_tasks: NonNegativeInt = 0
+    """Held-out (eval split) problems on which success is measured before RL (the check) and after
+    it (the run summary), one sample at `rollout.sampling` and one greedy each; 0: not measured."""
+
+
 class LogConfig(_Section):
     tensorboard: bool = True
+    """Mirror the trainer's and the evaluation's metrics to TensorBoard event files under
+    `<run dir>/tensorboard/` (`tensorboard --logdir runs/NAME/tensorboard`)."""
     wandb_project: str | None = None
     """Log to Weights & Biases under this project when set."""
-    every_s: PositiveFloat = 10.0
-    """Seconds between metric lines."""
+    sample_every: NonNegativeInt = 10
+    """Every this many trainer steps, a few trajectories of the batch, decoded, go to
+    `<run dir>/samples.md` (0: none)."""
 
 
 class RoleResources(_Section):
@@ -394,6 +461,7 @@ class Config(_Section):
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     sync: SyncConfig = msgspec.field(default_factory=SyncConfig)
+    warmstart: WarmstartConfig = msgspec.field(default_factory=WarmstartConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     launch: LaunchConfig = msgspec.field(default_factory=LaunchConfig)
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)  # type: ignore[valid-type]

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -28,6 +28,7 @@ from slime_async.config.model_dir import resolve_model_path
 from slime_async.data.eval_suite import EvalSuite, run_suites, suites_from_config
 from slime_async.data.remote_reward import close_shared_remote_rewards
 from slime_async.rollout import SGLangClient
+from slime_async.train.metrics_log import MetricsLog
 
 log = logging.getLogger("slime_async.data.eval_worker")
 
@@ -58,6 +59,7 @@ async def eval_rounds(cfg: Config, suites: list[EvalSuite], engines: list[str], 
         log.warning("data.eval_every is 0: no rounds are scheduled (use --once for one round)")
     due = 0
     rounds = 0
+    log_out = MetricsLog(out, cfg.log, out.parent, cfg.run.name, writer_name="eval")
     async with aiohttp.ClientSession() as session, SGLangClient(engines, admin_token=cfg.engine.admin_token) as client:
         while not stop.is_set():
             version = await engine_version(session, engines)
@@ -71,11 +73,10 @@ async def eval_rounds(cfg: Config, suites: list[EvalSuite], engines: list[str], 
                     await asyncio.gather(job, return_exceptions=True)
                     break
                 results = job.result()
-                line: dict[str, float | int] = {"version": version}
+                line: dict[str, float | int] = {"version": version, "time": time.time()}
                 for r in results.values():
                     line.update(r.flat())
-                with out.open("a") as f:
-                    f.write(json.dumps(line) + "\n")
+                log_out.write(line, step=version)
                 rounds += 1
                 if once:
                     break
@@ -85,6 +86,7 @@ async def eval_rounds(cfg: Config, suites: list[EvalSuite], engines: list[str], 
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), poll_s)
         await close_shared_remote_rewards()
+    log_out.close()
     return rounds
 
 

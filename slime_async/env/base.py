@@ -86,6 +86,13 @@ class Env:
         own tasks override this; others get tasks from a dataset (the scheduler's concern)."""
         raise NotImplementedError(f"{cls.__name__} does not generate tasks; give the scheduler a dataset")
 
+    @classmethod
+    def demonstration(cls, args: EnvArgs, task: Task) -> list[str]:
+        """The assistant's replies of a correct episode of `task` (tool calls in the model's
+        format, then the answer), for the supervised warm-start (`warmstart:` in the config).
+        Environments that can write one override this."""
+        raise NotImplementedError(f"{cls.__name__} has no demonstrations")
+
     # ---- episode hooks -----------------------------------------------------------------------
 
     async def setup(self, task: Task) -> None:

@@ -9,18 +9,25 @@ an existing run directory is refused rather than overwritten.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from slime_async.config import Config, ConfigError, to_yaml
+from slime_async.config.model_dir import resolve_model_path
 from slime_async.launch.local import LocalLauncher
+from slime_async.launch.success_check import check_success, measure_success
+from slime_async.train.metrics_log import check_log_config
 
 
 def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool) -> tuple[Path, Path]:
@@ -51,10 +58,22 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: Console | None = None,
           ray: str | None = None) -> dict:
-    """Run the whole asynchronous loop until the trainer has done `train.steps` steps: locally, or on
-    a Ray cluster when `ray` is given (an address, or "" for `launch.ray.address` / Ray's discovery)."""
+    """Run the whole asynchronous loop until the trainer has done `train.steps` steps: warm-start (when
+    enabled), the success check, RL, the success after, a summary. The parts run as processes here, or
+    as Ray actors when `ray` is given (an address, or "" for `launch.ray.address` / Ray's discovery)."""
     console = console or Console()
+    check_log_config(cfg.log)
+    started = time.monotonic()
     run_dir, config_path = prepare_run_dir(cfg, resume, overwrite)
+    cfg, warm = _warm_start(cfg, console)
+    config_path.write_text(to_yaml(cfg))  # every part reads the model RL starts from
+    before = None
+    if cfg.warmstart.check_tasks and not resume:
+        with console.status(f"measuring success on {cfg.warmstart.check_tasks} held-out problems ..."):
+            before = asyncio.run(measure_success(cfg, None, cfg.warmstart.check_tasks))
+        console.print(f"success before RL: {before.sampled:.1%} sampled, {before.greedy:.1%} greedy "
+                      f"({before.tasks} held-out problems)")
+        check_success(cfg, before)
     launcher: LocalLauncher
     if ray is not None:
         from slime_async.launch.ray_launcher import RayLauncher
@@ -62,30 +81,64 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
         launcher = RayLauncher(cfg, config_path, run_dir, address=ray or None)
     else:
         launcher = LocalLauncher(cfg, config_path, run_dir)
-    started = time.monotonic()
+    rl_started = time.monotonic()
     where = "as Ray actors" if ray is not None else "as processes"
     with console.status(f"starting buffer, engines, trainer and rollout workers {where} ..."):
         launcher.start(on_event=lambda message: console.print(f"[yellow]{message}[/]"))
     parts = launcher.describe()
     metrics_path = run_dir / "metrics.jsonl"
     try:
-        with Live(_view(cfg, [], started), console=console, refresh_per_second=1) as live:
+        with Live(_view(cfg, run_dir, rl_started), console=console, refresh_per_second=1) as live:
             def done() -> bool:
-                live.update(_view(cfg, read_metrics(metrics_path), started))
+                live.update(_view(cfg, run_dir, rl_started))
                 return False
 
             launcher.supervise(done)
+        rl_s = time.monotonic() - rl_started
         launcher.stop_rollout()  # what the workers finished reaches the buffer before it is counted
         buffer_metrics = buffer_counts(launcher)
+        after = None
+        if cfg.warmstart.check_tasks:  # on the engines, which serve the final weights
+            with console.status("measuring success after RL ..."):
+                after = asyncio.run(measure_success(cfg, None, cfg.warmstart.check_tasks, urls=launcher.engine_urls))
     finally:
         launcher.shutdown()
     records = read_metrics(metrics_path)
     evals = read_metrics(run_dir / "eval.jsonl")
-    summary = {"steps": len(records), "wall_s": time.monotonic() - started, "events": launcher.events, "parts": parts,
+    summary = {"steps": len(records), "wall_s": time.monotonic() - started, "rl_s": rl_s, "warmstart": warm,
+               "success_before": asdict(before) if before else None,
+               "success_after": asdict(after) if after else None, "events": launcher.events, "parts": parts,
                "last": records[-1] if records else None, "buffer": buffer_metrics, "eval": evals,
+               "max_staleness": max((r.get("max_staleness", 0) for r in records), default=None),
+               "rollout": rollout_stats(run_dir),
                "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _warm_start(cfg: Config, console: Console) -> tuple[Config, dict[str, Any] | None]:
+    """The config with `model.path` set to the warm-started model (trained now or cached)."""
+    if not cfg.warmstart.enabled:
+        return cfg, None
+    from slime_async.train.tiny_model import default_cache_dir
+    from slime_async.train.warmstart import check_settings, warm_start
+
+    check_settings(cfg.warmstart)
+    base = resolve_model_path(cfg.model.path)
+    began = time.monotonic()
+    with Progress(TextColumn("warm-start"), BarColumn(), MofNCompleteColumn(), TextColumn("nll {task.fields[nll]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        bar = progress.add_task("warm-start", total=None, nll="-")
+
+        def report(step: int, steps: int, loss: float) -> None:
+            progress.update(bar, completed=step, total=steps, nll=f"{loss:.3f}")
+
+        path, cached = warm_start(cfg, base, default_cache_dir(), report)
+    info = json.loads((path / "warmstart.json").read_text())
+    console.print(f"warm-start: {'cached' if cached else 'trained'} {path} ({info['demonstrations']} demonstrations, "
+                  f"{info['steps']} steps, final nll {info['final_nll']:.3f}, {time.monotonic() - began:.0f} s)")
+    model = msgspec.structs.replace(cfg.model, path=str(path))
+    return msgspec.structs.replace(cfg, model=model), {**info, "path": str(path), "cached": cached}
 
 
 def buffer_counts(launcher: LocalLauncher) -> dict[str, int] | None:
@@ -102,7 +155,19 @@ def buffer_counts(launcher: LocalLauncher) -> dict[str, int] | None:
         client.close()
 
 
-def _view(cfg: Config, records: list[dict[str, Any]], started: float) -> Table:
+def rollout_stats(run_dir: Path) -> list[dict[str, Any]]:
+    """What each rollout worker last reported (`rollout-<i>.json`)."""
+    out = []
+    for path in sorted(run_dir.glob("rollout-*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue  # replaced while read
+    return out
+
+
+def _view(cfg: Config, run_dir: Path, started: float) -> Table:
+    records = read_metrics(run_dir / "metrics.jsonl")
     table = Table(title=f"slime-async train: {cfg.run.name}", show_header=False)
     last = records[-1] if records else {}
     table.add_row("step", f"{last.get('version', 0)} / {cfg.train.steps}")
@@ -110,5 +175,52 @@ def _view(cfg: Config, records: list[dict[str, Any]], started: float) -> Table:
     for key in ("loss", "grad_norm", "reward_mean", "max_staleness", "trajectories"):
         if key in last:
             value = last[key]
-            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+            table.add_row(f"train {key}", f"{value:.4g}" if isinstance(value, float) else str(value))
+    workers = rollout_stats(run_dir)
+    if workers:
+        recent = [w["recent_reward"] for w in workers if w.get("recent_reward") is not None]
+        dropped = sum(sum(w["groups_dropped"].values()) for w in workers)
+        table.add_row("rollout", f"{sum(w['episodes_per_s'] for w in workers):.1f} episodes/s, "
+                                 f"{sum(w['tokens_per_s'] for w in workers):.0f} tokens/s, "
+                                 f"{sum(w['in_flight'] for w in workers)} in flight")
+        table.add_row("rollout reward", f"{sum(recent) / len(recent):.3f} (last 256 episodes)" if recent else "-")
+        table.add_row("groups", f"{sum(w['groups_sent'] for w in workers)} sent, {dropped} dropped (filtered/failed)")
+    evals = read_metrics(run_dir / "eval.jsonl")
+    if evals:
+        scores = ", ".join(f"{k.split('/')[1]} {v:.1%}" for k, v in evals[-1].items() if k.endswith("/pass@1"))
+        table.add_row("held-out eval", f"{scores} at version {evals[-1]['version']}")
+    return table
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    """The end-of-run table: success before/after, steps, samples, throughput, staleness, time."""
+    table = Table(title="run summary", show_header=False)
+    for key, label in (("success_before", "success before RL"), ("success_after", "success after RL")):
+        if s := summary.get(key):
+            table.add_row(label, f"{s['sampled']:.1%} sampled, {s['greedy']:.1%} greedy ({s['tasks']} held-out)")
+    last = summary.get("last") or {}
+    counters = last.get("counters", {})
+    trained = counters.get("trajectories_trained", 0)
+    rl_s = summary.get("rl_s") or 0.0
+    table.add_row("trainer steps", f"{summary['steps']} (version {last.get('version', 0)})")
+    table.add_row("samples trained", f"{trained} ({trained / rl_s:.1f}/s)" if rl_s else str(trained))
+    if summary.get("max_staleness") is not None:
+        table.add_row("max staleness", str(summary["max_staleness"]))
+    if b := summary.get("buffer"):
+        dropped = sum(v for k, v in b.items() if k.startswith("dropped"))
+        table.add_row("buffer", f"received {b.get('received', 0)} = trained {b.get('trained', 0)} + "
+                                f"buffered {b.get('buffered', 0)} + dropped {dropped}")
+    if workers := summary.get("rollout"):
+        dropped: dict[str, int] = {}
+        for w in workers:
+            for reason, n in w["groups_dropped"].items():
+                dropped[reason] = dropped.get(reason, 0) + n
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())) or "none"
+        table.add_row("rollout", f"{sum(w['episodes'] for w in workers)} episodes, "
+                                 f"{sum(w['groups_sent'] for w in workers)} groups sent, dropped: {reasons}")
+    if w := summary.get("warmstart"):
+        took = "cached" if w["cached"] else f"{w['seconds']:.0f} s"
+        table.add_row("warm-start", f"{took}, {w['steps']} steps on {w['demonstrations']} demonstrations")
+    table.add_row("RL time", f"{rl_s:.0f} s")
+    table.add_row("wall time", f"{summary['wall_s']:.0f} s")
     return table

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from slime_async.config import load_config
@@ -27,6 +29,22 @@ from slime_async.rollout.scheduler import Scheduler
 from slime_async.rollout.sinks import BufferSink
 
 log = logging.getLogger("slime_async.rollout.worker")
+
+
+def write_stats(scheduler: Scheduler, path: Path) -> None:
+    """The scheduler's running figures as JSON, replaced atomically (the launcher's view reads it)."""
+    tmp = path.with_suffix(".tmp")
+    st = scheduler.stats
+    recent = st.rewards[-256:]
+    tmp.write_text(json.dumps({**st.summary(), "in_flight": st.started - st.finished, "time": time.time(),
+                               "recent_reward": sum(recent) / len(recent) if recent else None}))
+    tmp.replace(path)
+
+
+async def report_stats(scheduler: Scheduler, path: Path, every_s: float = 2.0) -> None:
+    while True:
+        await asyncio.sleep(every_s)  # a reporting period, not a wait for a condition
+        write_stats(scheduler, path)
 
 
 async def run_worker(config_path: str, buffer: str, engines: list[str], worker: int, num_workers: int,
@@ -59,7 +77,13 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, scheduler.stop)
         print("READY", flush=True)
-        stats = await scheduler.run(num_groups=groups)
+        stats_path = Path(cfg.run.dir) / cfg.run.name / f"rollout-{worker}.json"
+        reporter = asyncio.ensure_future(report_stats(scheduler, stats_path))
+        try:
+            stats = await scheduler.run(num_groups=groups)
+        finally:
+            reporter.cancel()
+            write_stats(scheduler, stats_path)
         await sink.close()
         await close_shared_remote_rewards()
     if data_state:

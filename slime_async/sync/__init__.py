@@ -6,7 +6,8 @@ Owns: publishing named weights (HF names) to engines over SGLang's HTTP API in t
 (`/init_weights_update_group` + `/update_weights_from_distributed`, for GPU fleets) — with
 retries; the pause/continue protocol that makes a bucketed push all-or-nothing; the weight version
 on the wire (the decimal number of optimizer steps) and finding engines that missed an update
-(`/get_model_info`) to bring them up to date.
+(`/get_model_info`) to bring them up to date; the HF <-> Megatron-core mapping of weight names and
+layouts (`megatron_names`: fused QKV per query group, fused gate/up, padded vocabulary, sharding).
 
 Does not own: the optimizer or which weights to send (`train`), starting or restarting engines
 (`launch`), or how the rollout side learns the version (it reads the engines' `weight_version`:

@@ -12,18 +12,25 @@ from slime_async.train.loop import BatchSource, Stateful, Trainer
 
 def build_backend(config: Config, model_path: str | Path | None = None) -> TrainerBackend:
     """The backend named by `train.backend`, loaded from `model.path` (or `model_path`)."""
-    tc = config.train
-    if tc.backend != "torch":
-        raise ValueError(f"train.backend: {tc.backend!r} is not available yet (its own issue); use torch")
     from slime_async.config.model_dir import resolve_model_path
+
+    tc = config.train
+    path = model_path if model_path is not None else resolve_model_path(config.model.path)
+    common = dict(device=config.model.device, dtype=config.model.dtype, lr=tc.lr, betas=tc.adam_betas,
+                  eps=tc.adam_eps, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
+                  micro_batch_size=tc.micro_batch_size, reference=tc.kl_coef > 0)
+    if tc.backend == "megatron":
+        if tc.lr_warmup_steps:
+            raise ValueError("train.lr_warmup_steps: the megatron backend has no learning-rate warm-up yet; use 0")
+        try:
+            from slime_async.train.megatron.backend import MegatronBackend
+        except ImportError as exc:
+            raise ValueError(f"train.backend: megatron needs megatron-core (pip install 'slime-async[megatron]'): "
+                             f"{exc}") from None
+        return MegatronBackend(path, parallel=tc.megatron, **common)  # type: ignore[arg-type]
     from slime_async.train.torch_backend import TorchBackend
 
-    path = model_path if model_path is not None else resolve_model_path(config.model.path)
-    return TorchBackend(
-        path, device=config.model.device, dtype=config.model.dtype, lr=tc.lr, betas=tc.adam_betas,
-        eps=tc.adam_eps, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
-        micro_batch_size=tc.micro_batch_size, reference=tc.kl_coef > 0,
-    )
+    return TorchBackend(path, warmup_steps=tc.lr_warmup_steps, **common)  # type: ignore[arg-type]
 
 
 def run_dir(config: Config) -> Path:

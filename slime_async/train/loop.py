@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -164,6 +165,8 @@ class Trainer:
     async def run(self, until_version: int | None = None) -> None:
         """Train until the version reaches `until_version` (default `train.steps`) or `stop()`."""
         target = until_version if until_version is not None else self.cfg.steps
+        limit = self.cfg.time_limit_s
+        deadline = time.monotonic() + limit if limit is not None else math.inf
         if self.release_memory:
             # a trainer that died mid-step may have left the engines without their memory
             assert self.publisher is not None
@@ -174,6 +177,9 @@ class Trainer:
             self.counters["engines_reconciled"] += len(behind)
         self.source.set_version(self.version)
         while self.version < target and not self._stop.is_set():
+            if time.monotonic() >= deadline:
+                log.info("train.time_limit_s (%.0f s) reached at version %d", limit, self.version)
+                break
             record = await self.step(max_steps=target - self.version)
             if record is None:
                 continue
@@ -254,7 +260,8 @@ class Trainer:
             result = await asyncio.to_thread(self.backend.train_step, batch, obj.loss_fn(prep), self.temperature,
                                              obj.needs_entropy)
             if i == 0:
-                record.metrics = {**obj.metrics(prep), **result.metrics}
+                record.metrics = {**obj.metrics(prep), **result.metrics,
+                                  "reward_mean": float(batch.rewards.mean())}
             record.loss, record.grad_norm = result.loss, result.grad_norm
             if result.applied:
                 self.version += 1

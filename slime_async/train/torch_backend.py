@@ -51,6 +51,7 @@ class TorchBackend:
         grad_clip: float = 1.0,
         micro_batch_size: int = 16,
         reference: bool = False,
+        warmup_steps: int = 0,
     ) -> None:
         from transformers.utils import logging as hf_logging
 
@@ -71,6 +72,8 @@ class TorchBackend:
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
+        self.lr = lr
+        self.warmup_steps = warmup_steps
         # fused/foreach kernels differ in rounding from the loop; fixing the implementation keeps
         # runs bit-reproducible on the same machine (checkpoint/resume equivalence relies on it).
         self.optimizer = torch.optim.AdamW(
@@ -138,8 +141,20 @@ class TorchBackend:
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(False, total, grad_norm, metrics,
                               reason=f"non-finite {'loss' if not math.isfinite(total) else 'grad norm'}")
+        if self.warmup_steps:
+            # Adam's first updates move every weight by about lr whatever the gradient's size; a
+            # linear ramp keeps them from wrecking a small or freshly warm-started model
+            factor = min(1.0, (self.optimizer_steps() + 1) / self.warmup_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr * factor
         self.optimizer.step()
         return StepResult(True, total, grad_norm, metrics)
+
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken (AdamW keeps the count per parameter; a loaded state keeps it too)."""
+        for state in self.optimizer.state.values():
+            return int(state["step"])
+        return 0
 
     # --- weights and state ----------------------------------------------------------------
 

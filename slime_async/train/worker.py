@@ -5,7 +5,9 @@
 one (the Ray launcher starts `train.world_size` ranks so), resumes from the run's latest checkpoint
 if there is one, tells the buffer its version (handing back batches that a previous trainer received
 but did not train), prints `READY`, and trains until `train.steps`; each step appends one JSON line
-to `<run dir>/metrics.jsonl`. SIGTERM/SIGINT end it after the batch in progress (a checkpoint is
+to `<run dir>/metrics.jsonl` (mirrored to TensorBoard and wandb per `log:`), and every
+`log.sample_every` steps a few of the batch's trajectories, decoded, to `<run dir>/samples.md`.
+SIGTERM/SIGINT end it after the batch in progress (a checkpoint is
 written at the end of a complete run).
 """
 
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import sys
@@ -35,6 +36,8 @@ class BufferSource:
     def __init__(self, client: Any) -> None:
         self.client = client
         self.received = 0
+        self.last: list[Trajectory] = []
+        """The latest batch, for the readable samples."""
 
     def get_batch(self, n: int, timeout: float) -> list[Trajectory] | None:
         try:
@@ -43,6 +46,7 @@ class BufferSource:
             return None
         trajectories = [t for group in batch.groups for t in group.trajectories]
         self.received += len(trajectories)
+        self.last = trajectories
         return trajectories
 
     def set_version(self, version: int) -> None:
@@ -53,7 +57,7 @@ def metrics_line(record: StepRecord, counters: dict[str, int], started: float) -
     return {
         "version": record.version, "applied": record.applied, "trajectories": record.trajectories,
         "loss": record.loss, "grad_norm": record.grad_norm, "max_staleness": record.max_staleness,
-        "seconds": record.seconds, "elapsed_s": time.monotonic() - started,
+        "seconds": record.seconds, "elapsed_s": time.monotonic() - started, "time": time.time(),
         "skipped_steps": record.skipped_steps, "publish_s": getattr(record.publish, "seconds", None),
         **{k: v for k, v in record.metrics.items() if isinstance(v, int | float)},
         "counters": dict(counters),
@@ -62,26 +66,32 @@ def metrics_line(record: StepRecord, counters: dict[str, int], started: float) -
 
 async def run_trainer(config_path: str, buffer: str, engines: list[str], dist: DistInit | None = None) -> int:
     from slime_async.buffer import BufferClient
+    from slime_async.config.model_dir import load_tokenizer, resolve_model_path
     from slime_async.train.build import build_trainer, run_dir
+    from slime_async.train.metrics_log import MetricsLog
+    from slime_async.train.samples import append_samples
 
     cfg = load_config(config_path)
     if dist is not None:
         # before the backend is built: a backend that splits ranks into parallel groups needs the
         # default group (the megatron backend); the torch backend runs on one rank
         init_distributed(dist)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
     client = BufferClient(buffer, curve_dir=cfg.buffer.curve_dir)
     source = BufferSource(client)
     trainer = build_trainer(cfg, source, engines)
     resumed = trainer.resume()
     # a restarted trainer gets back the batches its predecessor received but never trained
     client.set_version(trainer.version, restarted=True)
-    metrics = run_dir(cfg) / "metrics.jsonl"
-    metrics.parent.mkdir(parents=True, exist_ok=True)
+    out_dir = run_dir(cfg)
+    metrics = MetricsLog(out_dir / "metrics.jsonl", cfg.log, out_dir, cfg.run.name)
     started = time.monotonic()
 
     def on_step(record: StepRecord) -> None:
-        with metrics.open("a") as f:
-            f.write(json.dumps(metrics_line(record, trainer.counters, started)) + "\n")
+        metrics.write(metrics_line(record, trainer.counters, started), step=record.version)
+        every = cfg.log.sample_every
+        if every and record.version % every == 0 and source.last:
+            append_samples(out_dir / "samples.md", source.last, tokenizer, record.version)
 
     trainer.on_step = on_step
     loop = asyncio.get_running_loop()
@@ -91,6 +101,7 @@ async def run_trainer(config_path: str, buffer: str, engines: list[str], dist: D
     await trainer.run()
     print(f"DONE version={trainer.version} counters={dict(trainer.counters)}", flush=True)
     client.close()
+    metrics.close()
     if dist is not None:
         close_distributed()
     return 0

@@ -100,3 +100,11 @@ def test_parse_override_values() -> None:
     assert parse_override("a=[1, 2]") == (("a",), [1, 2])
     assert parse_override("a=x=y") == (("a",), "x=y")
     assert parse_override("a=") == (("a",), "")
+
+
+def test_exponent_floats_without_a_dot_are_floats_in_files_and_overrides(tmp_path: Path) -> None:
+    # YAML 1.1 reads `1e-4` as a string; a learning rate written that way must still work
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 3e-4\n")
+    cfg = load_config(path, ["warmstart.lr=2E-3", "run.name=1e5x"])
+    assert cfg.train.lr == 3e-4 and cfg.warmstart.lr == 2e-3 and cfg.run.name == "1e5x"

@@ -33,14 +33,24 @@ def processes_mentioning(text: str) -> list[int]:
 def train_command(run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "slime_async.cli", "train", str(REPO / "configs/local.yaml"), "--overwrite",
             f"run.dir={run_dir}", "rollout.batch_size=8", "rollout.group_size=4", "rollout.filter_equal_rewards=false",
-            "rollout.sampling.max_new_tokens=16", "engine.port=0", *overrides]
+            "rollout.sampling.max_new_tokens=16", "engine.port=0",
+            # a few steps of warm-start (cached for the session) and a small success check: the
+            # whole path of the embedded default, in seconds
+            "warmstart.examples=64", "warmstart.check_tasks=8", "warmstart.min_success=0", "data.eval_every=0",
+            *overrides]
 
 
 def test_train_runs_every_part_and_accounts_for_every_trajectory(tmp_path: Path) -> None:
-    done = subprocess.run(train_command(tmp_path, "train.steps=3"), capture_output=True, text=True, timeout=600,
-                          cwd=REPO)
+    done = subprocess.run(train_command(tmp_path, "train.steps=3", "log.sample_every=2"), capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = tmp_path / "local"
+    assert "run summary" in done.stdout and "success before RL" in done.stdout
+    config = (run / "config.yaml").read_text()
+    assert "/warmstart/" in config  # every part started from the warm-started model
+    samples = (run / "samples.md").read_text()
+    assert "## version 2" in samples and "<|im_start|>assistant" in samples and "reward " in samples
+    assert list((run / "tensorboard" / "train").glob("events.out.tfevents.*"))
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == [1, 2, 3]
     assert all(m["max_staleness"] <= 2 for m in metrics)  # eta = 2 in configs/local.yaml
@@ -48,6 +58,11 @@ def test_train_runs_every_part_and_accounts_for_every_trajectory(tmp_path: Path)
     summary = json.loads((run / "summary.json").read_text())
     b = summary["buffer"]
     assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"] and b["trained"] >= 24
+    for key in ("success_before", "success_after"):
+        assert summary[key]["tasks"] == 8 and 0.0 <= summary[key]["sampled"] <= 1.0
+    assert summary["warmstart"]["demonstrations"] == 64 and summary["warmstart"]["steps"] == 2  # batches of 32
+    (worker,) = summary["rollout"]  # the rollout worker's own figures reached the launcher
+    assert worker["sent"] == b["received"] > 0 and worker["in_flight"] == 0
     assert "DONE" in (run / "logs" / "rollout-0.log").read_text() and "balanced=True" in (
         run / "logs" / "rollout-0.log").read_text()
     assert processes_mentioning(str(run / "config.yaml")) == []  # nothing left running
@@ -114,4 +129,15 @@ def test_evaluation_runs_beside_training(tmp_path: Path) -> None:
     assert rounds and rounds[0]["version"] == 0  # the baseline, before the first step
     assert [r["version"] for r in rounds] == sorted(r["version"] for r in rounds)
     assert all(r["eval/s/num_tasks"] == 3 and "eval/s/pass@1" in r for r in rounds)
+    assert processes_mentioning(str(tmp_path / "local" / "config.yaml")) == []
+
+
+def test_train_stops_before_rl_when_the_start_model_rarely_succeeds(tmp_path: Path) -> None:
+    # The random tiny model (no warm-start) never solves a problem: a floor of 50% must stop the
+    # run with one clear line, before any part starts.
+    done = subprocess.run(train_command(tmp_path, "warmstart.enabled=false", "warmstart.min_success=0.5"),
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "warmstart.min_success" in done.stderr and "below the floor 50.0%" in done.stderr
+    assert not (tmp_path / "local" / "metrics.jsonl").exists()
     assert processes_mentioning(str(tmp_path / "local" / "config.yaml")) == []

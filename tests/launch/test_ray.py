@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = ["rollout.batch_size=8", "rollout.group_size=4", "rollout.filter_equal_rewards=false",
          "rollout.sampling.max_new_tokens=16", "engine.port=0", "launch.ray.host=127.0.0.1", "launch.ray.engine.gpus=0",
          "launch.ray.trainer.gpus=0", "launch.ray.engine.cpus=0.5", "launch.ray.trainer.cpus=0.5",
-         "launch.ray.rollout.cpus=0.25", "launch.ray.buffer.cpus=0.25", "model.device=cpu"]
+         "launch.ray.rollout.cpus=0.25", "launch.ray.buffer.cpus=0.25", "model.device=cpu",
+         "warmstart.enabled=false", "warmstart.check_tasks=0", "data.eval_every=0"]
 
 
 @pytest.fixture(scope="module")

@@ -157,9 +157,18 @@ async def test_build_trainer_from_config(tiny_model_dir: Path, tmp_path: Path) -
     assert trainer.publisher is None and not trainer.resume()
     await trainer.run(until_version=1)
     assert trainer.version == 1 and (tmp_path / "run" / "checkpoints" / "step_00000001" / "state.json").is_file()
+    # the same loop over the megatron backend, its checkpoint included (and resumed)
     cfg.train.backend = "megatron"
-    with pytest.raises(ValueError, match="megatron"):
-        build_trainer(cfg, source, engine_urls=[])
+    cfg.run.name = "mega"
+    trainer = build_trainer(cfg, InMemorySource(make_trajectories(4)), engine_urls=[])
+    assert type(trainer.backend).__name__ == "MegatronBackend"
+    await trainer.run(until_version=1)
+    step = tmp_path / "mega" / "checkpoints" / "step_00000001"
+    assert (step / "model" / "model.safetensors").is_file() and (step / "model" / "megatron.json").is_file()
+    again = build_trainer(cfg, InMemorySource(), engine_urls=[])
+    assert again.resume() and again.version == 1
+    for (n, p), (_, q) in zip(trainer.backend.named_weights(), again.backend.named_weights(), strict=True):
+        assert torch.equal(p, q), n
 
 
 async def test_loop_waits_for_data_and_trains_it_when_it_arrives(tiny_model_dir: Path) -> None:
@@ -227,3 +236,19 @@ async def test_engines_give_their_memory_back_around_the_gpu_work(
         assert record is not None and record.version == 1 and record.publish is not None
         assert calls == ["release", "logprobs", "train_step", "restore 1"]
         assert sink.published == [(1, len(list(trainer.backend.named_weights())))]  # one push, not two
+
+
+async def test_time_limit_ends_training_like_the_last_step(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    import time as real_time
+    import types
+
+    import slime_async.train.loop as loop_module
+
+    ticks = iter(range(0, 10_000, 10))  # a clock that moves 10 s each time the loop reads it
+    clock = types.SimpleNamespace(monotonic=lambda: float(next(ticks)), perf_counter=real_time.perf_counter)
+    monkeypatch.setattr(loop_module, "time", clock)
+    source = InMemorySource(make_trajectories(40))
+    trainer, records, _ = make(tiny_model_dir, source, time_limit_s=25.0)
+    await trainer.run(until_version=10)
+    assert trainer.version == 2 and [r.version for r in records] == [1, 2]  # checks at 10 s, 20 s; 30 s stops

@@ -117,3 +117,24 @@ def test_bfloat16_is_mixed_precision(tiny_model_dir: Path) -> None:
     low, high = be.logprobs(batch, 1.0).logprobs, fp32.logprobs(batch, 1.0).logprobs
     m = batch.loss_mask.bool()
     assert 0 < (low[m] - high[m]).abs().max() < 0.1  # bf16 rounding, not another model
+
+
+def test_lr_warmup_ramps_linearly_and_survives_save_and_load(tiny_model_dir: Path, tmp_path: Path) -> None:
+    be = backend(tiny_model_dir, lr=1e-3, warmup_steps=4)
+    obj = Objective(TrainConfig(loss="grpo"))
+    batch = batch_of()
+    lrs = []
+    for _ in range(3):
+        prep = obj.prepare(batch, be.logprobs(batch, 1.0).logprobs)
+        assert be.train_step(batch, obj.loss_fn(prep), 1.0).applied
+        lrs.append(be.optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4])
+    be.save(tmp_path / "ckpt")
+    again = backend(tiny_model_dir, lr=1e-3, warmup_steps=4)
+    again.load(tmp_path / "ckpt")
+    assert again.optimizer_steps() == 3
+    for _ in range(2):
+        prep = obj.prepare(batch, again.logprobs(batch, 1.0).logprobs)
+        again.train_step(batch, obj.loss_fn(prep), 1.0)
+        lrs.append(again.optimizer.param_groups[0]["lr"])
+    assert lrs[3:] == pytest.approx([1e-3, 1e-3])  # the ramp went on from step 4, not from 1

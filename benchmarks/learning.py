@@ -1,0 +1,44 @@
+"""Learning: the embedded default (`configs/local.yaml`) before and after a fixed budget of RL.
+
+Each seed runs the real `slime-async train` (warm-start, success check, fully asynchronous RL for
+`train.time_limit_s` seconds, success after) and reads its `summary.json`; the held-out success
+during RL comes from the evaluation worker's rounds (`eval.jsonl`), timed from the first trainer
+step. The warm-start is shared by the seeds (`warmstart.seed`), so the seeds differ in RL only.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from benchmarks import Result
+from benchmarks._runs import crossing_s, run_training
+
+DESCRIPTION = "embedded default: held-out success before/after 8 min of async RL, 3 seeds (goal >= 85% sampled)"
+GOAL = 0.85
+
+
+def run(quick: bool = False) -> Result:
+    seeds = [0] if quick else [0, 1, 2]
+    minutes = 2.0 if quick else 8.0
+    rows, runs = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
+        for seed in seeds:
+            s = run_training("configs/local.yaml", f"learning-seed{seed}", Path(tmp), [
+                f"run.seed={seed}", "warmstart.seed=0", f"train.time_limit_s={minutes * 60}", "train.steps=100000"])
+            before, after = s["success_before"], s["success_after"]
+            crossed = crossing_s(s, "eval/held_out/pass@1", GOAL)
+            rows.append([seed, before["sampled"], before["greedy"], after["sampled"], after["greedy"], s["steps"],
+                         s["rl_s"], crossed if crossed is not None else "-"])
+            runs.append({k: v for k, v in s.items() if k != "records"} | {"curve": [
+                (r["version"], r["time"], r.get("reward_mean")) for r in s["records"]]})
+    after_sampled = [r[3] for r in rows]
+    mean = sum(after_sampled) / len(after_sampled)
+    return Result(
+        columns=["seed", "before sampled", "before greedy", "after sampled", "after greedy", "steps", "RL s",
+                 f"s to {GOAL:.0%} (eval)"],
+        rows=rows,
+        headline=f"held-out sampled success after {minutes:.0f} min of RL: {mean:.1%} mean of {len(seeds)} seeds "
+                 f"(goal {GOAL:.0%})",
+        details={"runs": runs, "tasks": rows and runs[0]["success_after"]["tasks"]},
+    )

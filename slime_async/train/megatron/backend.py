@@ -1,0 +1,285 @@
+"""The `megatron` backend: a megatron-core GPT model converted exactly from a HF checkpoint.
+
+Every process of the trainer makes one `MegatronBackend` and makes the same calls with the same batch
+(SPMD); micro-batches are dealt round-robin to data-parallel ranks, and results (logprobs, loss,
+metrics) come back whole on every rank. With one pipeline stage the micro-batch loop is ours (as in
+the torch backend); with several, Megatron's pipeline schedule runs it (GPU only). Weights go out in
+HF names (`named_weights`, collective), and checkpoints are a HF directory plus each rank's
+optimizer state.
+
+Precision: `float32` keeps everything in float32. `bfloat16` (GPU) is Megatron's mixed precision:
+bf16 parameters and compute, float32 gradients, master weights and Adam moments in the optimizer;
+weights are exported in bf16. Logprobs are float32 from the logits either way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from slime_async.config.schema import MegatronConfig
+from slime_async.sync.megatron_names import Geometry
+from slime_async.train.backend import Logprobs, LossFn, StepResult
+from slime_async.train.batch import Batch
+from slime_async.train.megatron.cpu_compat import cpu_megatron
+from slime_async.train.megatron.logprobs import vocab_parallel_logprobs
+from slime_async.train.megatron.model import (
+    AttentionKind,
+    ModelShape,
+    build_gpt_model,
+    te_available,
+    transformer_config,
+)
+from slime_async.train.megatron.optimizer import MegatronOptimizer, StepOptimizer, TorchOptimizer
+from slime_async.train.megatron.parallel import init_parallel
+from slime_async.train.megatron.weights import HFWeights, export_hf, load_hf, mark_tensor_parallel, save_hf_dir
+from slime_async.train.torch_backend import resolve_device
+
+LAYOUT_FILE = "megatron.json"
+
+
+class MegatronBackend:
+    """The `TrainerBackend` over megatron-core. Not thread-safe: one call at a time, on every rank."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str = "auto",
+        dtype: Literal["float32", "bfloat16"] = "float32",
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        micro_batch_size: int = 16,
+        reference: bool = False,
+        parallel: MegatronConfig | None = None,
+    ) -> None:
+        from transformers import AutoConfig
+
+        cfg = parallel or MegatronConfig()
+        self.model_path = Path(model_path)
+        self.device = resolve_device(device)
+        self.on_gpu = self.device.type == "cuda"
+        if dtype == "bfloat16" and not self.on_gpu:
+            raise ValueError("model.dtype: the megatron backend runs bfloat16 on GPU only; use float32 on CPU")
+        if cfg.recompute_activations and not self.on_gpu:
+            raise ValueError("train.megatron.recompute_activations: Megatron's recomputation saves CUDA RNG "
+                             "states; it needs a GPU")
+        if cfg.pipeline_parallel > 1 and not self.on_gpu:
+            raise ValueError("train.megatron.pipeline_parallel: pipeline parallelism needs a GPU "
+                             "(Megatron's pipeline schedules run on CUDA)")
+        try:
+            hf_config = AutoConfig.from_pretrained(str(model_path))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"model.path: cannot read a transformers config from {model_path}: {exc}") from None
+        self.shape = ModelShape.from_hf(hf_config, cfg.tensor_parallel, cfg.vocab_multiple)
+        self.shape.check_parallel(cfg.tensor_parallel, cfg.pipeline_parallel)
+        self.vocab_size = self.shape.vocab_size
+        self.micro_batch_size = micro_batch_size
+        self.params_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        self.export_dtype = self.params_dtype
+        self.attention = self._attention(cfg.attention)
+        with self._compat():
+            self.layout = init_parallel(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.data_parallel, self.device)
+            self.geometry = Geometry(
+                num_heads=self.shape.num_heads, num_kv_heads=self.shape.num_kv_heads, head_dim=self.shape.head_dim,
+                vocab_size=self.shape.vocab_size, padded_vocab_size=self.shape.padded_vocab_size,
+                tensor_parallel=self.layout.tp, tied_embeddings=self.shape.tied_embeddings)
+            self.config = transformer_config(
+                self.shape, tensor_parallel=self.layout.tp, pipeline_parallel=self.layout.pp,
+                dtype=self.params_dtype, on_gpu=self.on_gpu, recompute=cfg.recompute_activations)
+            weights = HFWeights(self.model_path)
+            module = self._build(weights)
+            self.reference = self._build(weights).eval().requires_grad_(False) if reference else None
+            opt_args: dict[str, Any] = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip)
+            self.optimizer: StepOptimizer
+            if self.on_gpu:
+                from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+                ddp_config = DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.distributed_optimizer)
+                self.model = DistributedDataParallel(self.config, ddp_config, module)
+                self.optimizer = MegatronOptimizer(self.model, self.layout, bf16=self.params_dtype == torch.bfloat16,
+                                                   distributed=cfg.distributed_optimizer, **opt_args)
+            else:
+                self.model = module
+                self.optimizer = TorchOptimizer(module, self.layout, **opt_args)
+
+    # --- construction ---------------------------------------------------------------------
+
+    def _compat(self):  # -> context manager
+        return cpu_megatron(not self.on_gpu)
+
+    def _attention(self, asked: str) -> AttentionKind:
+        if asked == "auto":
+            return "te" if self.on_gpu and te_available() else "sdpa"
+        if asked == "local" and not self.on_gpu:
+            raise ValueError("train.megatron.attention: local (Megatron's unfused attention) needs a GPU; use sdpa")
+        return asked  # type: ignore[return-value]
+
+    def _build(self, weights: HFWeights) -> torch.nn.Module:
+        model = build_gpt_model(self.shape, self.config, self.attention, pre_process=self.layout.first_stage,
+                                post_process=self.layout.last_stage, device=self.device)
+        mark_tensor_parallel(model, self.geometry)
+        load_hf(model, weights, self.geometry, self.layout)
+        return model
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The GPTModel itself (inside DDP on GPU)."""
+        return self.model.module if self.on_gpu else self.model
+
+    # --- forward --------------------------------------------------------------------------
+
+    def _my_micro_batches(self, batch: Batch) -> list[tuple[slice, Batch]]:
+        """This data-parallel rank's micro-batches (every dp-th, round-robin)."""
+        out = []
+        for i, start in enumerate(range(0, len(batch), self.micro_batch_size)):
+            if i % self.layout.dp == self.layout.dp_rank:
+                stop = min(start + self.micro_batch_size, len(batch))
+                out.append((slice(start, stop), batch.rows(start, stop)))
+        return out
+
+    def _run_model(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+        ids = mb.input_ids.to(self.device)
+        pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        # no mask: attention is causal and rows are right-padded
+        return model(input_ids=ids, position_ids=pos, attention_mask=None)
+
+    def _logprobs_of(self, logits: torch.Tensor, mb: Batch, temperature: float, entropy: bool) -> Logprobs:
+        """Logits [b, t, V / tp] -> Logprobs aligned with tokens (0 at t = 0 and on padding)."""
+        ids = mb.input_ids.to(self.device)
+        attn = mb.attention_mask.to(self.device)
+        logp, ent = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], temperature=temperature,
+                                            vocab_size=self.vocab_size, entropy=entropy)
+        zero = torch.zeros_like(logp[:, :1])
+        return Logprobs(torch.cat([zero, logp], dim=1) * attn,
+                        torch.cat([zero, ent], dim=1) * attn if ent is not None else None)
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, temperature: float, entropy: bool = False, reference: bool = False
+                 ) -> Logprobs:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 to compute logprobs, got {temperature}")
+        model = self.model
+        if reference:
+            if self.reference is None:
+                raise ValueError("reference logprobs asked for, but the backend was built without a reference")
+            model = self.reference
+        n, t = batch.input_ids.shape
+        logp = torch.zeros(n, t, device=self.device)
+        ent = torch.zeros(n, t, device=self.device) if entropy else None
+        with self._compat():
+            if self.layout.pp == 1:
+                for rows, mb in self._my_micro_batches(batch):
+                    out = self._logprobs_of(self._run_model(model, mb), mb, temperature, entropy)
+                    k = mb.input_ids.shape[1]
+                    logp[rows, :k] = out.logprobs
+                    if ent is not None and out.entropy is not None:
+                        ent[rows, :k] = out.entropy
+            else:
+                from slime_async.train.megatron.pipeline import pipeline_logprobs
+
+                pipeline_logprobs(self, model, batch, temperature, logp, ent)
+            for tensor in (logp, ent):
+                if tensor is not None:
+                    self._share(tensor)
+        return Logprobs(logp.cpu(), ent.cpu() if ent is not None else None)
+
+    def _share(self, tensor: torch.Tensor) -> None:
+        """Make a per-row result whole on every rank: rows are disjoint over data-parallel ranks, and
+        only the last pipeline stage computed them."""
+        if self.layout.dp > 1:
+            dist.all_reduce(tensor, group=self.layout.dp_group)
+        if self.layout.pp > 1:
+            dist.broadcast(tensor, group_src=self.layout.pp - 1, group=self.layout.pp_group)
+
+    # --- training -------------------------------------------------------------------------
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, temperature: float, entropy: bool = False) -> StepResult:
+        with self._compat():
+            self.optimizer.zero_grad()
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            metrics: dict[str, float] = {}
+            if self.layout.pp == 1:
+                for rows, mb in self._my_micro_batches(batch):
+                    out = self._logprobs_of(self._run_model(self.model, mb), mb, temperature, entropy)
+                    loss, mb_metrics = loss_fn(mb, rows, out)
+                    loss.backward()
+                    total += loss.detach()
+                    for k, v in mb_metrics.items():
+                        metrics[k] = metrics.get(k, 0.0) + v
+            else:
+                from slime_async.train.megatron.pipeline import pipeline_train
+
+                total = pipeline_train(self, batch, loss_fn, temperature, entropy, metrics)
+            loss_value, metrics = self._sum_over_ranks(total, metrics)
+            applied, grad_norm = self.optimizer.step(math.isfinite(loss_value))
+        if not applied:
+            reason = "non-finite loss" if not math.isfinite(loss_value) else "non-finite grad norm"
+            return StepResult(False, loss_value, grad_norm, metrics, reason=reason)
+        return StepResult(True, loss_value, grad_norm, metrics)
+
+    def _sum_over_ranks(self, total: torch.Tensor, metrics: dict[str, float]) -> tuple[float, dict[str, float]]:
+        """The batch's loss and metrics: summed over data-parallel ranks, from the last stage."""
+        if self.layout.dp == 1 and self.layout.pp == 1:
+            return float(total), metrics
+        total = total.clone()
+        self._share(total)
+        gathered: list[Any] = [None] * self.layout.dp
+        dist.all_gather_object(gathered, metrics, group=self.layout.dp_group)
+        summed: dict[str, float] = {}
+        for part in gathered:
+            for k, v in part.items():
+                summed[k] = summed.get(k, 0.0) + v
+        if self.layout.pp > 1:
+            box = [summed]
+            dist.broadcast_object_list(box, group_src=self.layout.pp - 1, group=self.layout.pp_group)
+            summed = box[0]
+        return float(total), summed
+
+    # --- weights and state ----------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF tensor once (a tied lm_head under the embedding's name), in the export dtype, on this
+        rank's device. Collective: every rank of the trainer must iterate it to the end."""
+        return export_hf(self.module, self.geometry, self.layout, self.export_dtype)
+
+    def _layout_record(self) -> dict[str, int]:
+        return {"tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp,
+                "data_parallel": self.layout.dp}
+
+    def save(self, path: Path) -> None:
+        """A HF directory (written by rank 0; engines can load it), each rank's optimizer state, and the
+        parallel sizes (the optimizer state loads back only into the same sizes)."""
+        path.mkdir(parents=True, exist_ok=True)
+        rank0 = self.layout.rank == 0
+        save_hf_dir(self.named_weights(), self.model_path, path, write=rank0)
+        if self.reference is not None:
+            save_hf_dir(export_hf(self.reference, self.geometry, self.layout, self.export_dtype), self.model_path,
+                        path / "reference", write=rank0)
+        with self._compat():
+            self.optimizer.save(path, self.layout)
+        if rank0:
+            (path / LAYOUT_FILE).write_text(json.dumps(self._layout_record()))
+        if dist.get_world_size() > 1:
+            dist.barrier()
+
+    def load(self, path: Path) -> None:
+        record = json.loads((path / LAYOUT_FILE).read_text()) if (path / LAYOUT_FILE).is_file() else None
+        if record != self._layout_record():
+            raise ValueError(f"checkpoint {path}: saved with parallel sizes {record}, this trainer runs "
+                             f"{self._layout_record()}; its optimizer state cannot be resharded")
+        with self._compat():
+            load_hf(self.module, HFWeights(path), self.geometry, self.layout)
+            self.optimizer.load(path, self.layout)
+            if self.reference is not None and (path / "reference").is_dir():
+                load_hf(self.reference, HFWeights(path / "reference"), self.geometry, self.layout)

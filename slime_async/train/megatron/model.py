@@ -1,0 +1,246 @@
+"""A megatron-core `GPTModel` shaped like a Hugging Face Qwen2, Qwen3 or Llama model.
+
+`ModelShape.from_hf` reads the HF config and refuses what the Megatron model would not compute
+exactly (sliding windows, YaRN/dynamic RoPE, biases other than Qwen2's QKV bias, ...), naming the
+field. `build_gpt_model` makes the model for this process's pipeline stage: RMSNorm, SwiGLU, RoPE
+with the config's base and scaling, grouped-query attention, Qwen2's QKV bias, Qwen3's QK-norm,
+tied or untied embeddings. RoPE's inverse frequencies are computed by transformers' own function
+for the config (default, linear or llama3 scaling) and set on Megatron's rotary embedding, so the
+two models rotate by the same angles whatever the scaling parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+AttentionKind = Literal["sdpa", "local", "te"]
+SUPPORTED = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the conversion and the Megatron model need to know of a HF causal LM."""
+
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    """Rows of the HF embedding (what engines and exported weights have)."""
+    padded_vocab_size: int
+    """Rows of the Megatron embedding: `vocab_size` rounded up for tensor parallelism."""
+    rms_norm_eps: float
+    tied_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    rope_theta: float
+    inv_freq: torch.Tensor = field(repr=False)
+    """RoPE inverse frequencies [head_dim / 2], float32, as transformers computes them."""
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, config: Any, tensor_parallel: int = 1, vocab_multiple: int = 128) -> ModelShape:
+        """The shape of a transformers config (Qwen2/Qwen3/Llama), or a ValueError naming what is
+        not supported."""
+        kind = getattr(config, "model_type", None)
+        if kind not in SUPPORTED:
+            raise ValueError(f"model.path: the megatron backend converts {', '.join(SUPPORTED)} models, "
+                             f"not model_type {kind!r}")
+
+        def bad(field_name: str, why: str) -> ValueError:
+            return ValueError(f"model.path: config.json {field_name}: {why} (the megatron backend would not "
+                              f"compute the same model)")
+
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise bad("hidden_act", f"{config.hidden_act!r} is not supported, only silu (SwiGLU)")
+        if getattr(config, "use_sliding_window", False):
+            raise bad("use_sliding_window", "sliding-window attention is not supported")
+        if kind != "qwen2" and getattr(config, "attention_bias", False):
+            raise bad("attention_bias", "biases on q/k/v/o projections are not supported")
+        if getattr(config, "mlp_bias", False):
+            raise bad("mlp_bias", "MLP biases are not supported")
+        if getattr(config, "attention_dropout", 0.0):
+            raise bad("attention_dropout", "dropout is not supported")
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        if heads % kv:
+            raise bad("num_key_value_heads", f"{kv} does not divide num_attention_heads {heads}")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        theta, inv_freq = _rope(config, head_dim, bad)
+        multiple = vocab_multiple * tensor_parallel
+        padded = math.ceil(config.vocab_size / multiple) * multiple
+        if (padded - config.vocab_size) * tensor_parallel >= padded:
+            raise ValueError(f"train.megatron.vocab_multiple: padding {config.vocab_size} rows to {padded} leaves a "
+                             f"tensor-parallel rank nothing but padding; use a smaller multiple")
+        return cls(
+            model_type=kind, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
+            num_heads=heads, num_kv_heads=kv, head_dim=head_dim, ffn_hidden_size=config.intermediate_size,
+            vocab_size=config.vocab_size, padded_vocab_size=padded,
+            rms_norm_eps=config.rms_norm_eps, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+            max_position_embeddings=config.max_position_embeddings, rope_theta=theta, inv_freq=inv_freq,
+        )
+
+    def check_parallel(self, tensor_parallel: int, pipeline_parallel: int) -> None:
+        """ValueError naming the config field when the sizes cannot split this model."""
+        tp, pp = tensor_parallel, pipeline_parallel
+        if self.num_heads % tp:
+            raise ValueError(f"train.megatron.tensor_parallel: {tp} does not divide the {self.num_heads} "
+                             f"attention heads")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise ValueError(f"train.megatron.tensor_parallel: {tp} and the {self.num_kv_heads} key/value heads must "
+                             f"divide one another")
+        if self.ffn_hidden_size % tp:
+            raise ValueError(f"train.megatron.tensor_parallel: {tp} does not divide intermediate_size "
+                             f"{self.ffn_hidden_size}")
+        if self.num_layers % pp:
+            raise ValueError(f"train.megatron.pipeline_parallel: {pp} does not divide the {self.num_layers} layers")
+
+
+def _rope(config: Any, head_dim: int, bad: Any) -> tuple[float, torch.Tensor]:
+    """(theta, inverse frequencies) for the config's RoPE, computed by transformers' own code."""
+    params = getattr(config, "rope_parameters", None)  # transformers 5
+    if params is None:  # transformers 4: rope_theta and rope_scaling
+        params = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    if params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        raise bad("partial_rotary_factor", "partial rotary embeddings are not supported")
+    if rope_type == "default":
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return theta, inv_freq
+    if rope_type not in ("linear", "llama3"):
+        raise bad("rope_parameters.rope_type", f"{rope_type!r} is not supported (default, linear and llama3 are)")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    if attention_scaling != 1.0:
+        raise bad("rope_parameters", f"RoPE attention scaling {attention_scaling} is not supported")
+    return theta, inv_freq.float().cpu()
+
+
+def transformer_config(
+    shape: ModelShape,
+    *,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    dtype: torch.dtype,
+    on_gpu: bool,
+    recompute: bool = False,
+) -> Any:  # -> megatron.core.transformer.TransformerConfig
+    """Megatron's TransformerConfig for `shape`: no dropout, no biases but Qwen2's QKV bias, fusions
+    that need neither Apex nor Transformer Engine on GPU only."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    extra: dict[str, Any] = {}
+    if recompute:
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # weights are loaded from the HF checkpoint: skip random initialisation
+        perform_initialization=False,
+        use_cpu_initialization=not on_gpu,
+        # jit-fused SwiGLU and bias-dropout-add are plain torch; RoPE/softmax fusions need TE or Apex
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # the loss shares from the LossFn already weigh the whole batch: sum gradients over
+        # micro-batches and data-parallel ranks, never average them
+        calculate_per_token_loss=True,
+        # micro-batches are trimmed to their longest row: pipeline stages exchange shapes first
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # dense models; the default "allgather" refuses the line above
+        **extra,
+    )
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(shape: ModelShape, attention: AttentionKind) -> Any:  # -> ModuleSpec
+    """The transformer layer spec: Transformer Engine's, or Megatron's local one with `attention`
+    (`sdpa`: our SDPA core attention; `local`: Megatron's unfused DotProductAttention)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if attention == "te":
+        if not te_available():
+            raise ValueError("train.megatron.attention: te asks for Transformer Engine, which is not installed")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
+    if attention == "sdpa":
+        from slime_async.train.megatron.sdpa_attention import SDPACoreAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def build_gpt_model(
+    shape: ModelShape,
+    config: Any,
+    attention: AttentionKind,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    device: torch.device | str = "cpu",
+) -> Any:  # -> megatron.core.models.gpt.GPTModel
+    """This stage's GPTModel (uninitialised weights: load them with `convert.load_hf_weights`)."""
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(shape, attention),
+        vocab_size=shape.padded_vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,  # logits stay split over the vocabulary (logprobs.py reduces them)
+        share_embeddings_and_output_weights=shape.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+        rotary_percent=1.0,
+    )
+    # transformers' frequencies (any supported scaling) instead of Megatron's own computation; a plain
+    # attribute, so float32 whatever the parameters' dtype
+    model.rotary_pos_emb.inv_freq = shape.inv_freq.to(device)
+    # every parameter in the config's dtype, as Megatron's Float16Module would make them: the local spec's
+    # torch norms are created in float32 (a bf16 model would then mix dtypes)
+    return model.to(device=device, dtype=config.params_dtype)

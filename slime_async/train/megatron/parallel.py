@@ -1,0 +1,97 @@
+"""Process groups: `torch.distributed` and Megatron's model-parallel state, and this rank's place in them.
+
+Megatron keeps its parallel state in module globals; `init_parallel` sets it once per process and
+reuses it when asked again for the same sizes (several backends in one process, e.g. tests),
+refusing other sizes. A process started without a distributed environment makes a world of one
+on loopback (gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel sizes, this rank's coordinates and its groups."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    rank: int
+    device: torch.device
+    tp_group: Any
+    pp_group: Any
+    dp_group: Any
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_parallel(tensor_parallel: int, pipeline_parallel: int, data_parallel: int | None, device: torch.device
+                  ) -> Layout:
+    """Initialise (or reuse) the process groups for these sizes; ValueError naming the field when the
+    world does not match them."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel as mtp
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a lone process: a world of one on loopback
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world = dist.get_world_size()
+    model_parallel = tensor_parallel * pipeline_parallel
+    if world % model_parallel:
+        raise ValueError(f"train.megatron: world size {world} is not a multiple of tensor_parallel x "
+                         f"pipeline_parallel = {model_parallel}")
+    if data_parallel is not None and data_parallel * model_parallel != world:
+        raise ValueError(f"train.megatron.data_parallel: {data_parallel} x tensor_parallel x pipeline_parallel = "
+                         f"{data_parallel * model_parallel}, but the world size is {world}")
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (tensor_parallel, pipeline_parallel):
+            raise ValueError(f"train.megatron: this process already runs tensor/pipeline parallel sizes {have}, "
+                             f"cannot also run {(tensor_parallel, pipeline_parallel)}")
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                     pipeline_model_parallel_size=pipeline_parallel)
+        if device.type == "cuda":
+            # the per-rank RNG streams Megatron's layers expect to exist (nothing here draws from them:
+            # no dropout, weights are loaded); the process's own CUDA RNG (run.seed) is left as it was
+            state = torch.cuda.get_rng_state()
+            mtp.model_parallel_cuda_manual_seed(1234)
+            torch.cuda.set_rng_state(state)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return Layout(
+        tp=tensor_parallel, pp=pipeline_parallel, dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(), rank=dist.get_rank(), device=device,
+        tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+    )

@@ -1,0 +1,90 @@
+"""The supervised warm-start: token-exact demonstrations, training that lowers their loss, the cache."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from slime_async.config import load_config
+from slime_async.env import EnvFactory
+from slime_async.train.batch import build_batch
+from slime_async.train.torch_backend import TorchBackend
+from slime_async.train.warmstart import WarmstartError, demonstrations, warm_start, warmstart_dir
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["warmstart.enabled=true", "warmstart.examples=64", "warmstart.batch_size=16", "warmstart.lr=3e-3"]
+
+
+def config(*overrides: str):  # -> Config
+    return load_config(REPO / "configs/local.yaml", [*SMALL, *overrides])
+
+
+def demo_nll(model_dir: Path, tokenizer_dir: Path) -> float:
+    """Mean NLL of the trained tokens of 32 demonstrations under the model in `model_dir`."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    factory = EnvFactory.from_config("envs.calculator:CalculatorEnv", {})
+    demos = asyncio.run(demonstrations(factory, tokenizer, 32, seed=123))
+    batch = build_batch(demos, 4096).batch
+    assert batch is not None
+    logp = TorchBackend(model_dir, device="cpu").logprobs(batch, 1.0).logprobs
+    return float(-(logp * batch.loss_mask).sum() / batch.loss_mask.sum())
+
+
+def test_demonstrations_are_rewarded_episodes_that_train_only_the_model_replies(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    factory = EnvFactory.from_config("envs.calculator:CalculatorEnv", {"variant": "two_step"})
+    demos = asyncio.run(demonstrations(factory, tokenizer, 5, seed=0))
+    assert [d.reward for d in demos] == [1.0] * 5
+    for demo in demos:
+        assert len(demo.turns) == 3  # two dependent tool calls, then the answer
+        ids, _, mask = demo.flat()
+        trained = tokenizer.decode(ids[mask > 0])
+        assert "calculate" in trained and "The answer is" in trained
+        assert "<tool_response>" not in trained and "What is" not in trained  # tool results and prompt never train
+
+
+def test_an_env_without_demonstrations_or_tasks_is_named(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    factory = EnvFactory.from_config("envs.python_code:PythonCodeEnv", {})
+    with pytest.raises(WarmstartError, match=r"warmstart.enabled: env envs.python_code:PythonCodeEnv has no demo"):
+        asyncio.run(demonstrations(factory, tokenizer, 1, seed=0))
+    factory = EnvFactory.from_config("envs.chat:ChatEnv", {})
+    with pytest.raises(WarmstartError, match=r"envs.chat:ChatEnv does not generate its own tasks"):
+        asyncio.run(demonstrations(factory, tokenizer, 1, seed=0))
+
+
+def test_guess_number_demonstrations_search_within_the_feedback_bounds(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    factory = EnvFactory.from_config("envs.guess_number:GuessNumberEnv", {"high": 64})
+    demos = asyncio.run(demonstrations(factory, tokenizer, 20, seed=0))
+    assert all(d.reward > 0 for d in demos)  # every one finds the number
+    guesses = [d.metrics["num_guesses"] for d in demos]
+    assert max(guesses) > 7  # random, not binary search (which needs at most 7 for 1..64)
+
+
+def test_warm_start_lowers_the_demonstrations_loss_and_is_cached(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = config()
+    progress: list[tuple[int, int]] = []
+    out, cached = warm_start(cfg, tiny_model_dir, tmp_path, lambda s, n, loss: progress.append((s, n)))
+    assert not cached and progress[-1] == (4, 4) and (out / "warmstart.json").is_file()
+    assert (out / "chat_template.jinja").read_bytes() == (tiny_model_dir / "chat_template.jinja").read_bytes()
+    assert demo_nll(out, tiny_model_dir) < demo_nll(tiny_model_dir, tiny_model_dir) - 0.5
+    again, cached = warm_start(cfg, tiny_model_dir, tmp_path)
+    assert cached and again == out
+    # what shapes the weights changes the key; the success check does not
+    assert warmstart_dir(config("warmstart.lr=1e-3"), tiny_model_dir, tmp_path) != out
+    assert warmstart_dir(config("warmstart.min_success=0.3"), tiny_model_dir, tmp_path) == out
+
+
+def test_warm_start_is_deterministic_for_a_seed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = config("warmstart.examples=32")
+    a, _ = warm_start(cfg, tiny_model_dir, tmp_path / "a")
+    b, _ = warm_start(cfg, tiny_model_dir, tmp_path / "b")
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    c, _ = warm_start(config("warmstart.examples=32", "run.seed=1"), tiny_model_dir, tmp_path / "c")
+    assert not torch.equal(TorchBackend(a, device="cpu").model.lm_head.weight,
+                           TorchBackend(c, device="cpu").model.lm_head.weight)
