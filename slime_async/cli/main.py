@@ -71,14 +71,19 @@ def train(
     overrides: OverridesArg = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in <run.dir>/<run.name>.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Delete that run directory first.")] = False,
+    ray: Annotated[str | None, typer.Option(
+        "--ray", metavar="[ADDRESS]",
+        help="Run every part as a Ray actor: on the cluster at ADDRESS (auto, ray://HOST:10001), or without "
+             "one on launch.ray.address, a cluster this node belongs to, or a new local instance.",
+    )] = None,
 ) -> None:
-    """Train: buffer, engines, trainer and rollout workers as processes, fully asynchronous."""
+    """Train: buffer, engines, trainer and rollout workers as processes (or Ray actors), fully asynchronous."""
     from slime_async.launch.local import PartFailed
     from slime_async.launch.train_run import train as run_training
 
     cfg = _load(config, overrides)
     try:
-        summary = run_training(cfg, resume=resume, overwrite=overwrite, console=console)
+        summary = run_training(cfg, resume=resume, overwrite=overwrite, console=console, ray=ray)
     except (PartFailed, RuntimeError) as exc:
         fail(str(exc))
     from slime_async.launch.train_run import summary_table
@@ -128,6 +133,8 @@ def serve(
     context_length: Annotated[int | None, typer.Option(help="Longest sequence; default the model's.")] = None,
     seed: int = 0,
     admin_token: Annotated[str | None, typer.Option(help="Required off loopback for weight/pause endpoints.")] = None,
+    weight_version: Annotated[str, typer.Option(
+        help="Version reported until the first weight update (a non-number: clients refuse its tokens).")] = "0",
 ) -> None:
     """Start the embedded inference engine (SGLang's HTTP API) on one model."""
     from slime_async.config.model_dir import resolve_model_path
@@ -144,7 +151,7 @@ def serve(
         fail(f"--dtype: got {dtype!r}; expected one of 'float32', 'bfloat16'")
     try:
         engine = load_engine(path, device=device, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
-                             context_length=context_length)
+                             context_length=context_length, weight_version=weight_version)
         serve_engine(engine, str(path), host=host, port=port, admin_token=admin_token)
     except (ValueError, OSError) as exc:
         fail(str(exc))
@@ -239,7 +246,21 @@ def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
 
 
 def main() -> None:
+    sys.argv = optional_value(sys.argv, "--ray")
     app()
+
+
+def optional_value(argv: list[str], flag: str) -> list[str]:
+    """Let `flag` stand alone (`train CONFIG --ray`) or take a value (`--ray ADDRESS`): alone means the
+    next word is absent, another option, an override (`key=value`) or a YAML file."""
+    out = list(argv)
+    for i, word in enumerate(out):
+        if word == flag:
+            following = out[i + 1] if i + 1 < len(out) else None
+            if following is None or following.startswith("-") or "=" in following or following.endswith(
+                    (".yaml", ".yml")):
+                out[i] = f"{flag}="
+    return out
 
 
 @app.command()

@@ -121,9 +121,9 @@ def _check_unknown_keys(raw: Any, tp: Any, path: tuple[str, ...], where: Any) ->
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             section = ".".join(path) or "the top level"
-            raise ConfigError(
-                f"{where(keys)}: {dotted}: unknown key{hint} ({section} takes: {', '.join(names)})"
-            )
+            # a section of hundreds of keys (sglang: SGLang's ServerArgs) is named, not listed
+            takes = ", ".join(names) if len(names) <= 40 else f"{len(names)} keys; see its documentation"
+            raise ConfigError(f"{where(keys)}: {dotted}: unknown key{hint} ({section} takes: {takes})")
         _check_unknown_keys(value, _unwrap(hints[key]), keys, where)
 
 

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from slime_async.config.sglang import SGLangConfig
+
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
@@ -52,6 +54,19 @@ class SamplingConfig(_Section):
     """Per model call (per turn)."""
 
 
+class RouterConfig(_Section):
+    """`sglang-router launch` in front of the engines: rollout workers send every request to it, the
+    trainer still pushes weights to each engine itself."""
+
+    enabled: bool = False
+    policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "cache_aware"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Port of the router; 0 picks a free one."""
+    args: dict[str, Any] = {}
+    """Other `sglang-router launch` options by their long name without dashes, e.g.
+    `{health_check_interval_secs: 2}`; `true` passes a bare switch."""
+
+
 class EngineConfig(_Section):
     kind: Literal["embedded", "sglang"] = "embedded"
     """`embedded`: slime_async's own server speaking SGLang's API (CPU or one GPU).
@@ -67,6 +82,8 @@ class EngineConfig(_Section):
     """Most sequences decoded together (continuous batching)."""
     admin_token: str | None = None
     """Token required by weight-update, pause and flush endpoints off loopback."""
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    """sglang-router in front of the engines (either kind)."""
 
 
 class EnvConfig(_Section):
@@ -307,6 +324,10 @@ class TrainConfig(_Section):
     weight_decay: NonNegativeFloat = 0.0
     adam_betas: tuple[Beta, Beta] = (0.9, 0.999)
     adam_eps: PositiveFloat = 1e-8
+    world_size: PositiveInt = 1
+    """Trainer ranks (processes joined by torch.distributed, one GPU each under Ray). The torch
+    backend trains on one rank; the megatron backend splits the ranks into its parallel groups.
+    More than one needs `slime-async train --ray`."""
     batch_timeout_s: PositiveFloat = 5.0
     """How long one `get_batch` call waits before the loop checks engines and asks again."""
     checkpoint_every: NonNegativeInt = 50
@@ -337,6 +358,11 @@ class SyncConfig(_Section):
     """Address the engines reach the trainer's rank 0 at (nccl mode)."""
     nccl_master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     """Port of the NCCL rendezvous; 0 picks a free one."""
+    release_memory: bool | None = None
+    """Engines give their GPU memory (KV cache, weights) back while the trainer computes, and take it
+    back before the new weights arrive (SGLang's `/release_memory_occupation`, `/resume_memory_occupation`):
+    for trainer and engines sharing GPUs. Rollout pauses meanwhile. None: on when `launch.ray.layout`
+    is `colocated` under `--ray`, else off."""
 
 
 class WarmstartConfig(_Section):
@@ -375,11 +401,52 @@ class LogConfig(_Section):
     `<run dir>/samples.md` (0: none)."""
 
 
+class RoleResources(_Section):
+    """What one process of a role reserves in its Ray placement group bundle."""
+
+    cpus: PositiveFloat = 1.0
+    """CPUs Ray reserves (fractions are fine: a rollout worker mostly waits on the network)."""
+    gpus: NonNegativeInt = 0
+    """Whole GPUs (an SGLang engine needs tp_size * pp_size * dp_size of them)."""
+
+
+class RayConfig(_Section):
+    """Cluster mode (`slime-async train CONFIG --ray [ADDRESS]`): every part as a Ray actor that owns
+    the part's process, placed by one placement group per role."""
+
+    address: str | None = None
+    """The cluster (`auto`, `ray://HOST:10001`, `HOST:6379`); `--ray ADDRESS` overrides it; None with
+    `--ray` and no address: connect to a running cluster if there is one, else start one on this machine."""
+    namespace: str = "slime_async"
+    layout: Literal["disaggregated", "colocated"] = "disaggregated"
+    """`disaggregated`: trainer ranks and engines on their own GPUs. `colocated`: engine i shares the GPUs
+    of trainer ranks i*g .. (i+1)*g - 1 (g: GPUs per engine); their memory is released while the trainer
+    steps (`sync.release_memory`)."""
+    host: str | None = None
+    """Address the parts bind to and announce: None for each node's IP as Ray knows it (reachable from the
+    other nodes); 127.0.0.1 keeps a one-machine run on loopback."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Placement strategy of each role's placement group (the trainer's is STRICT_PACK with several ranks
+    when this is PACK: ranks of one node talk fastest)."""
+    engine: RoleResources = msgspec.field(default_factory=lambda: RoleResources(cpus=1.0, gpus=1))
+    """Per engine. An embedded engine on CPU: `gpus: 0`."""
+    trainer: RoleResources = msgspec.field(default_factory=lambda: RoleResources(cpus=1.0, gpus=1))
+    """Per trainer rank (`train.world_size` ranks)."""
+    rollout: RoleResources = msgspec.field(default_factory=lambda: RoleResources(cpus=1.0))
+    """Per rollout worker (one asyncio loop each)."""
+    buffer: RoleResources = msgspec.field(default_factory=lambda: RoleResources(cpus=1.0))
+    router: RoleResources = msgspec.field(default_factory=lambda: RoleResources(cpus=1.0))
+    eval: RoleResources = msgspec.field(default_factory=lambda: RoleResources(cpus=1.0))
+
+
 class LaunchConfig(_Section):
     max_restarts: NonNegativeInt = 3
     """Times a part that died is restarted before the run stops (0: stop at the first death)."""
     ready_timeout_s: PositiveFloat = 300.0
-    """How long a starting part may take to say it is ready."""
+    """How long a starting part may take to say it is ready (an SGLang server: to pass its health
+    check; under Ray, placement groups: to get their resources)."""
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    """Cluster mode on Ray (used with `slime-async train --ray`)."""
 
 
 class Config(_Section):
@@ -397,3 +464,5 @@ class Config(_Section):
     warmstart: WarmstartConfig = msgspec.field(default_factory=WarmstartConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     launch: LaunchConfig = msgspec.field(default_factory=LaunchConfig)
+    sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)  # type: ignore[valid-type]
+    """SGLang's ServerArgs fields for `engine.kind: sglang` (see `config.sglang`)."""

@@ -76,6 +76,8 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.paused = False
+        self.released: set[str] = set()
+        """Memory given back by `release_memory` (kv_cache, weights): nothing runs until it is resumed."""
         self.steps = 0
         self.generated_tokens = 0
         self.finished = 0
@@ -109,7 +111,7 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop:
             self._run_commands()
-            if self.paused or (not self.waiting and not self.running):
+            if self.paused or self.released or (not self.waiting and not self.running):
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -240,6 +242,33 @@ class Engine:
     def resume(self) -> None:
         self.paused = False
 
+    def release_memory(self, tags: list[str] | None) -> None:
+        """SGLang's `/release_memory_occupation`: give the KV cache and/or the weights' device memory
+        back (for a trainer sharing the GPU). Like SGLang, only an idle engine, or one paused with
+        nothing running (mode retract), may do it. Weights move to CPU memory and come back unchanged
+        on resume (SGLang keeps them only with `enable_weights_cpu_backup`; the trainer pushes new ones
+        after a resume either way)."""
+        tags = set(tags or MEMORY_TAGS)
+        if self.running:
+            raise ValueError(f"release_memory_occupation needs an idle engine: {len(self.running)} requests are "
+                             "running (pause_generation with mode retract first)")
+        if "kv_cache" in tags and "kv_cache" not in self.released:
+            self.slots.release()
+        if "weights" in tags and "weights" not in self.released:
+            self.model.to("cpu")  # parameters keep their identity: weight updates still find them
+        self.released |= tags & {"kv_cache", "weights"}
+        _empty_device_cache(self.slots.device)
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        """SGLang's `/resume_memory_occupation`: take back what `release_memory` gave."""
+        tags = set(tags or MEMORY_TAGS)
+        if "weights" in tags and "weights" in self.released:
+            self.model.to(self.slots.device)
+        if "kv_cache" in tags and "kv_cache" in self.released:
+            self.slots.allocate()
+        self.released -= tags
+        self._wake.set()
+
     def load_weights(self, tensors: dict[str, torch.Tensor], version: str | None) -> int:
         """Copy named tensors (HF names) into the model, all or nothing; set the version.
 
@@ -267,6 +296,15 @@ class Engine:
 
     def set_version(self, version: str) -> None:
         self.weight_version = version
+
+
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""SGLang's GPU memory types (`GPU_MEMORY_ALL_TYPES`); the embedded engine has no CUDA graphs to free."""
+
+
+def _empty_device_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -35,10 +35,20 @@ class SlotModel:
         self.max_len = max_len
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self._cap = min(initial_len, max_len)
-        shape = (max_slots, self.num_kv_heads, self._cap, self.head_dim)
+        self._initial_len = initial_len
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)create an empty cache at its initial size; every slot's contents are gone."""
+        self._cap = min(self._initial_len, self.max_len)
+        shape = (self.max_slots, self.num_kv_heads, self._cap, self.head_dim)
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
         self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+
+    def release(self) -> None:
+        """Drop the cache tensors (their memory goes back to the allocator); `allocate` before use."""
+        self.k, self.v = [], []
+        self._cap = 0
 
     def _ensure_capacity(self, length: int) -> None:
         if length <= self._cap:

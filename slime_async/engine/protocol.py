@@ -162,6 +162,15 @@ class UpdateWeightVersionReqInput(_Body):
     abort_all_requests: bool = True
 
 
+class ReleaseMemoryOccupationReqInput(_Body):
+    tags: list[Literal["kv_cache", "weights", "cuda_graph"]] | None = None
+    """What to give back; None or []: everything (SGLang's `GPU_MEMORY_ALL_TYPES`)."""
+
+
+class ResumeMemoryOccupationReqInput(_Body):
+    tags: list[Literal["kv_cache", "weights", "cuda_graph"]] | None = None
+
+
 class InitWeightsUpdateGroupReqInput(_Body):
     master_address: str
     master_port: int

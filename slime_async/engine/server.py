@@ -27,7 +27,8 @@ from slime_async.engine.weights import decode_named_tensors, read_checkpoint
 ADMIN_PATHS = {
     "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version",
     "/init_weights_update_group", "/update_weights_from_distributed", "/pause_generation",
-    "/continue_generation", "/flush_cache", "/abort_request",
+    "/continue_generation", "/flush_cache", "/abort_request", "/release_memory_occupation",
+    "/resume_memory_occupation",
 }
 
 
@@ -61,6 +62,8 @@ class EngineServer:
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_route("*", "/release_memory_occupation", self.release_memory_occupation)
+        r.add_route("*", "/resume_memory_occupation", self.resume_memory_occupation)
         r.add_post("/init_weights_update_group", self.unsupported_distributed)
         r.add_post("/update_weights_from_distributed", self.unsupported_distributed)
         self.started = time.time()
@@ -75,8 +78,15 @@ class EngineServer:
 
     # --- info ---------------------------------------------------------------------------
 
+    def _awaiting_weights(self) -> web.Response | None:
+        """A replacement engine (started with a non-numeric weight version, e.g. `pending`) serves nothing
+        until the trainer's weights arrive with a version: 503 on /health and /generate till then."""
+        if self.engine.weight_version.lstrip("-").isdigit():
+            return None
+        return error(503, f"weight version {self.engine.weight_version!r}: waiting for the trainer's weights")
+
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return self._awaiting_weights() or web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         seqs = await self._run(p.GenerateReqInput(input_ids=[0], sampling_params=p.SamplingParams(
@@ -115,13 +125,16 @@ class EngineServer:
             "internal_states": [{
                 "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting), "paused": e.paused,
                 "decode_steps": e.steps, "generated_tokens": e.generated_tokens,
-                "finished_reqs": e.finished, "aborted_reqs": e.aborted,
+                "finished_reqs": e.finished, "aborted_reqs": e.aborted, "memory_released": sorted(e.released),
             }],
         })
 
     # --- generation ---------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        waiting = self._awaiting_weights()
+        if waiting is not None:
+            return waiting
         try:
             req = p.decode_body(await request.read(), p.GenerateReqInput)
             prompt = self._validate(req)
@@ -262,6 +275,26 @@ class EngineServer:
         await self._engine_call(self.engine.resume)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        try:
+            req = await self._body(request, p.ReleaseMemoryOccupationReqInput)
+            before = _device_gib()
+            await self._engine_call(lambda: self.engine.release_memory(req.tags))
+        except ValueError as exc:
+            return error(400, str(exc))
+        # in the engine's log: when, and what a colocated trainer gains
+        gained = f": {before:.2f} -> {_device_gib():.2f} GiB allocated" if before is not None else ""
+        print(f"released {req.tags or 'all'}{gained}", flush=True)
+        return web.json_response(None)  # SGLang's handler answers nothing on success
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        try:
+            req = await self._body(request, p.ResumeMemoryOccupationReqInput)
+        except ValueError as exc:
+            return error(400, str(exc))
+        await self._engine_call(lambda: self.engine.resume_memory(req.tags))
+        return web.json_response(None)
+
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
             req = await self._body(request, p.UpdateWeightFromDiskReqInput)
@@ -312,6 +345,10 @@ class EngineServer:
         return web.json_response(
             {"success": False, "message": f"{request.path} (NCCL weight broadcast) is not supported by the "
              "embedded engine; use update_weights_from_tensor or update_weights_from_disk"}, status=501)
+
+
+def _device_gib() -> float | None:
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def _set(future: asyncio.Future, seq: Sequence) -> None:

@@ -1,25 +1,45 @@
 """Local mode: every part as a process on this machine, wired by the config, supervised.
 
-Order of start: the buffer server (its endpoint), the engines (their URLs), the trainer, the
-rollout workers. A part that dies is reported with the tail of its log and restarted at the same
-address (so the others reconnect) up to `launch.max_restarts` times; then the run stops. Shutdown
-goes the other way: rollout workers first (they flush what they finished to the buffer), the
-trainer, the buffer (its WAL is on disk), the engines. Nothing is left running.
+Order of start: the buffer server (its endpoint), the engines (their URLs: embedded engines,
+SGLang servers, or the attached `engine.urls`), sglang-router in front of them when configured,
+the evaluation worker, the trainer, the rollout workers. A part that dies is reported with the tail
+of its log and restarted at the same address (so the others reconnect) up to `launch.max_restarts`
+times; then the run stops. A restarted engine starts with the weight version `pending`, which
+clients refuse, until the trainer's next push (or reconcile) brings it to the current version.
+Shutdown goes the other way: rollout workers first (they flush what they finished to the buffer),
+the trainer, the buffer (its WAL is on disk), the router, the engines. Nothing is left running.
+
+`RayLauncher` (`launch.ray_launcher`) is this class with `spawn` (where a process runs) and the
+addresses replaced: each part's process then belongs to a Ray actor in its role's placement group.
 """
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 
-from slime_async.config import Config
+from slime_async.config import Config, ConfigError
 from slime_async.config.model_dir import resolve_model_path
-from slime_async.launch.process import ChildProcess, start_engine, start_process
+from slime_async.launch.health import wait_healthy
+from slime_async.launch.process import start_process
+from slime_async.launch.sglang_command import preflight, router_argv, sglang_argv
+
+HOST, PORT, CONFIG = "@HOST@", "@PORT@", "@CONFIG@"
+"""Placeholders in a part's command line, filled in where the process starts: the address it binds
+to and announces, a port (the requested one, or a free one there), the config file it reads."""
+
+PENDING_VERSION = "pending"
+"""The weight version a replacement engine reports until the trainer pushes the current weights:
+not a number, so rollout clients refuse its tokens and the publisher sees it is behind."""
+
+ENGINE_READY = r"serving on (http://\S+)"
 
 
 def engine_args(cfg: Config, i: int) -> list[str]:
@@ -35,16 +55,41 @@ class PartFailed(RuntimeError):
     """A part died more often than `launch.max_restarts` allows; the message has its log's tail."""
 
 
+class Child(Protocol):
+    """A running part's process, wherever it runs (`process.ChildProcess`, `ray_actor.RayChild`)."""
+
+    ready: str
+    """What its ready line said (an endpoint, a URL), or its URL when readiness was a health check."""
+    log_path: Path | None
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def alive(self) -> bool: ...
+
+    def exit_reason(self) -> str: ...
+
+    def tail(self, n: int = 20) -> str: ...
+
+    def stop(self, timeout: float = 20.0) -> int | None: ...
+
+
 @dataclass
 class Part:
     """One supervised role and how to (re)start it."""
 
     name: str
-    start: Callable[[], ChildProcess]
-    child: ChildProcess | None = None
+    start: Callable[[int], Child]
+    """Starts the part's process; the argument is how many times it was restarted already."""
+    child: Child | None = None
     restarts: int = 0
     finished: bool = False
     """Exited with code 0 on its own (the trainer when its steps are done)."""
+    group: str | None = None
+    """Parts that live and die together (the ranks of one torch.distributed trainer)."""
 
 
 @dataclass
@@ -59,97 +104,167 @@ class LocalLauncher:
     """What happened to the parts (deaths, restarts), for the run summary."""
     buffer_endpoint: str = ""
     engine_urls: list[str] = field(default_factory=list)
+    """Where the trainer pushes weights: every engine."""
+    rollout_urls: list[str] = field(default_factory=list)
+    """Where rollout workers send requests: the router when there is one, else every engine."""
 
     def start(self, on_event: Callable[[str], None] | None = None) -> None:
         self._on_event = on_event or (lambda message: None)
-        model_dir = resolve_model_path(self.cfg.model.path)
-        logs = self.run_dir / "logs"
-        timeout = self.cfg.launch.ready_timeout_s
+        if self.cfg.train.world_size > 1 and self.with_trainer and not self.distributed:
+            raise ConfigError(f"train.world_size={self.cfg.train.world_size}: local mode runs one trainer rank; "
+                              "use `slime-async train CONFIG --ray` for more")
+        self.model_dir = resolve_model_path(self.cfg.model.path)
         try:
-            buffer = Part("buffer", lambda: self._start_buffer(logs, timeout))
-            self._launch(buffer)
-            for i in range(self.cfg.engine.num_engines):
-                engine = Part(f"engine-{i}", self._engine_starter(model_dir, i, logs, timeout))
-                self._launch(engine)
-                self.engine_urls.append(engine.child.url)  # type: ignore[union-attr]
+            self._launch(Part("buffer", self._start_buffer))
+            self._start_engines()
+            self.rollout_urls = list(self.engine_urls)
+            if self.cfg.engine.router.enabled:
+                router = Part("router", self._start_router)
+                self._launch(router)
+                self.rollout_urls = [router.child.url]  # type: ignore[union-attr]
             if self.cfg.data.eval and self.cfg.data.eval_every > 0:
                 # evaluation beside training, in its own process with its own client (never in the
                 # rollout's way); started before the trainer so that its baseline round sees version 0
-                self._launch(Part("eval", lambda: start_process(
-                    "eval", [sys.executable, "-m", "slime_async.data.eval_worker", str(self.config_path),
-                             *self._engine_args(), "--out", str(self.run_dir / "eval.jsonl")],
-                    r"^READY", timeout, logs / "eval.log")))
+                self._launch(Part("eval", lambda restarts: self.spawn(
+                    "eval", [sys.executable, "-m", "slime_async.data.eval_worker", CONFIG,
+                             *self._url_args(self.rollout_urls), "--out", str(self.run_dir / "eval.jsonl")],
+                    r"^READY")))
             if self.with_trainer:
-                self._launch(Part("trainer", lambda: start_process(
-                    "trainer", [sys.executable, "-m", "slime_async.train.worker", str(self.config_path),
-                                "--buffer", self.buffer_endpoint, *self._engine_args()],
-                    r"^READY", timeout, logs / "trainer.log")))
+                self._start_trainer()
             workers = self.cfg.rollout.num_workers
             for i in range(workers):
-                self._launch(Part(f"rollout-{i}", self._worker_starter(i, workers, logs, timeout)))
+                self._launch(Part(f"rollout-{i}", self._worker_starter(i, workers)))
         except BaseException:
             self.shutdown()
             raise
 
+    # --- where and how a process starts (RayLauncher overrides these) ---------------------------
+
+    distributed = False
+    """Whether this launcher can start trainer ranks that join one torch.distributed group."""
+
+    def spawn(self, name: str, argv: list[str], ready: str | None, *, health_url: str | None = None,
+              port: int = 0) -> Child:
+        """Start one part's process here and wait (bounded) until it is ready: its ready line matches
+        `ready`, or `health_url` answers 200. `argv` and `health_url` may hold the placeholders."""
+        host = self.cfg.engine.host
+        port = port or free_port(host)
+        argv = [fill(a, host, port, str(self.config_path)) for a in argv]
+        preflight(argv)
+        timeout = self.cfg.launch.ready_timeout_s
+        child = start_process(name, argv, ready, timeout, self.run_dir / "logs" / f"{name}.log")
+        if health_url is not None:
+            url = fill(health_url, host, port, "")
+            try:
+                wait_healthy(url, timeout, alive=child.alive)
+            except (TimeoutError, RuntimeError) as exc:
+                child.stop()
+                raise RuntimeError(f"{name}: {exc}; last lines of its log:\n{child.tail()}") from None
+            child.ready = url
+        return child
+
+    # --- the parts ------------------------------------------------------------------------------
+
     def _launch(self, part: Part) -> None:
-        part.child = part.start()
+        part.child = part.start(0)
         self.parts.append(part)
 
-    def _start_buffer(self, logs: Path, timeout: float) -> ChildProcess:
+    def _buffer_settings(self) -> str:
         from slime_async.buffer import ServerSettings
 
         settings = ServerSettings.from_config(self.cfg)
         if self.buffer_endpoint:  # a restart binds where the senders and the trainer already point
             settings.buffer = msgspec.structs.replace(settings.buffer, endpoint=self.buffer_endpoint)
-        child = start_process("buffer", [sys.executable, "-m", "slime_async.buffer",
-                                         msgspec.json.encode(settings).decode()],
-                              r"^READY (\S+)", timeout, logs / "buffer.log")
+        return msgspec.json.encode(settings).decode()
+
+    def _start_buffer(self, restarts: int) -> Child:
+        child = self.spawn("buffer", [sys.executable, "-m", "slime_async.buffer", self._buffer_settings()],
+                           r"^READY (\S+)")
         self.buffer_endpoint = child.ready
         return child
 
-    def _engine_starter(self, model_dir: Path, i: int, logs: Path, timeout: float) -> Callable[[], ChildProcess]:
+    def _start_engines(self) -> None:
+        if self.cfg.engine.urls:  # attached: someone else runs (and restarts) them
+            self.engine_urls = [u.rstrip("/") for u in self.cfg.engine.urls]
+            return
+        for i in range(self.cfg.engine.num_engines):
+            engine = Part(f"engine-{i}", self._engine_starter(i))
+            self._launch(engine)
+            self.engine_urls.append(engine.child.url)  # type: ignore[union-attr]
+
+    def _engine_starter(self, i: int) -> Callable[[int], Child]:
         c = self.cfg
-        args = engine_args(c, i)
         port = [c.engine.port + i if c.engine.port else 0]
 
-        def start() -> ChildProcess:
-            child = start_engine(model_dir, *args, port=port[0], timeout=timeout, log_path=logs / f"engine-{i}.log",
-                                 name=f"engine-{i}")
+        def start(restarts: int) -> Child:
+            version = "0" if restarts == 0 else PENDING_VERSION
+            if c.engine.kind == "sglang":
+                argv = sglang_argv(c, model_path=str(self.model_dir), host=HOST, port=PORT, index=i,
+                                   weight_version=version, release_memory=bool(c.sync.release_memory))
+                child = self.spawn(f"engine-{i}", argv, None, health_url=f"http://{HOST}:{PORT}", port=port[0])
+            else:
+                args = engine_args(c, i)
+                args[args.index("--host") + 1] = HOST  # the address of the node it runs on
+                argv = [sys.executable, "-m", "slime_async.cli", "serve", "--model", str(self.model_dir),
+                        *args, "--port", PORT, "--weight-version", version]
+                child = self.spawn(f"engine-{i}", argv, ENGINE_READY, port=port[0])
             port[0] = int(child.url.rsplit(":", 1)[1])  # restarts come back on the same port
             return child
 
         return start
 
-    def _worker_starter(self, i: int, workers: int, logs: Path, timeout: float) -> Callable[[], ChildProcess]:
-        return lambda: start_process(
-            f"rollout-{i}", [sys.executable, "-m", "slime_async.rollout.worker", str(self.config_path),
-                             "--buffer", self.buffer_endpoint, *self._engine_args(), "--worker", str(i),
+    def _start_router(self, restarts: int) -> Child:
+        port = self.cfg.engine.router.port
+        if restarts:  # the rollout workers already point at it: same address
+            port = int(self.rollout_urls[0].rsplit(":", 1)[1])
+        return self.spawn("router", router_argv(self.cfg, self.engine_urls, HOST, PORT), None,
+                          health_url=f"http://{HOST}:{PORT}", port=port)
+
+    def _start_trainer(self) -> None:
+        self._launch(Part("trainer", lambda restarts: self.spawn("trainer", self._trainer_argv(), r"^READY")))
+
+    def _trainer_argv(self) -> list[str]:
+        return [sys.executable, "-m", "slime_async.train.worker", CONFIG, "--buffer", self.buffer_endpoint,
+                *self._url_args(self.engine_urls)]
+
+    def _worker_starter(self, i: int, workers: int) -> Callable[[int], Child]:
+        return lambda restarts: self.spawn(
+            f"rollout-{i}", [sys.executable, "-m", "slime_async.rollout.worker", CONFIG,
+                             "--buffer", self.buffer_endpoint, *self._url_args(self.rollout_urls), "--worker", str(i),
                              "--num-workers", str(workers), "--data-state",
                              str(self.run_dir / f"data-state-{i}.json")],
-            r"^READY", timeout, logs / f"rollout-{i}.log")
+            r"^READY")
 
-    def _engine_args(self) -> list[str]:
-        return [arg for url in self.engine_urls for arg in ("--engine", url)]
+    @staticmethod
+    def _url_args(urls: list[str]) -> list[str]:
+        return [arg for url in urls for arg in ("--engine", url)]
+
+    # --- supervision ----------------------------------------------------------------------------
 
     def check(self) -> None:
         """Restart parts that died (per policy); raise PartFailed when one is out of restarts."""
         for part in self.parts:
             child = part.child
-            if child is None or child.alive() or part.finished:
+            if child is None or part.finished or child.alive():
                 continue
-            code = child.proc.returncode
-            if code == 0 and part.name == "trainer":
+            if child.returncode == 0 and part.name.split("-")[0] == "trainer":
                 part.finished = True
                 continue
-            message = f"{part.name} exited with code {code}; last lines of {child.log_path}:\n{child.tail()}"
-            self.events.append(f"{part.name} died (exit code {code})")
+            message = f"{part.name} {child.exit_reason()}; last lines of {child.log_path}:\n{child.tail()}"
+            self.events.append(f"{part.name} died ({child.exit_reason()})")
             self._on_event(message)
             if part.restarts >= self.cfg.launch.max_restarts:
                 raise PartFailed(message + f"\n{part.name} was restarted {part.restarts} times already: stopping")
-            part.restarts += 1
-            part.child = part.start()
-            self.events.append(f"{part.name} restarted ({part.restarts}/{self.cfg.launch.max_restarts})")
-            self._on_event(self.events[-1])
+            # ranks of one torch.distributed group cannot go on without the dead one: all start again
+            group = [p for p in self.parts if p.group is not None and p.group == part.group] or [part]
+            for member in group:
+                if member is not part and member.child is not None:
+                    member.child.stop()
+            for member in group:
+                member.restarts += 1
+                member.child = member.start(member.restarts)
+                self.events.append(f"{member.name} restarted ({member.restarts}/{self.cfg.launch.max_restarts})")
+                self._on_event(self.events[-1])
 
     def supervise(self, done: Callable[[], bool], interval: float = 1.0) -> None:
         """Check the parts every `interval` seconds until `done()` (or the trainer finished)."""
@@ -157,12 +272,35 @@ class LocalLauncher:
             self.check()
             time.sleep(interval)
 
+    def describe(self) -> dict[str, str]:
+        """Where each part runs, for the run summary."""
+        return {p.name: f"pid {p.child.proc.pid}" for p in self.parts  # type: ignore[union-attr]
+                if p.child is not None and hasattr(p.child, "proc")}
+
     def part(self, name: str) -> Part:
         return next(p for p in self.parts if p.name == name)
 
+    def stop_rollout(self) -> None:
+        """Stop the rollout workers (they flush what they finished to the buffer first)."""
+        for part in self.parts:
+            if part.name.startswith("rollout") and part.child is not None:
+                part.child.stop(timeout=60)
+
     def shutdown(self) -> None:
         """Stop every part, rollout workers first and engines last; nothing is left running."""
-        order = {"rollout": 0, "eval": 0, "trainer": 1, "buffer": 2, "engine": 3}
+        order = {"rollout": 0, "eval": 0, "trainer": 1, "buffer": 2, "router": 3, "engine": 4}
         for part in sorted(self.parts, key=lambda p: order.get(p.name.split("-")[0], 9)):
             if part.child is not None:
                 part.child.stop()
+
+
+def fill(text: str, host: str, port: int, config: str) -> str:
+    """`text` with the placeholders replaced."""
+    return text.replace(HOST, host).replace(PORT, str(port)).replace(CONFIG, config)
+
+
+def free_port(host: str) -> int:
+    """A port that is free on `host` now (the OS picks it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -8,8 +8,9 @@ trainer).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import functools
+import os
 import re
 import signal
 import subprocess
@@ -36,8 +37,15 @@ class ChildProcess:
     def url(self) -> str:  # engines: the URL they serve on
         return self.ready
 
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def exit_reason(self) -> str:
+        return f"exited with code {self.proc.poll()}"
 
     def tail(self, n: int = 20) -> str:
         return "".join(self.log[-n:])
@@ -57,23 +65,26 @@ class ChildProcess:
 EngineProcess = ChildProcess
 
 
-def start_process(name: str, argv: list[str], ready_pattern: str, timeout: float = 120.0,
-                  log_path: Path | None = None) -> ChildProcess:
-    """Start `argv` and wait (bounded) for a line matching `ready_pattern`.
+def start_process(name: str, argv: list[str], ready_pattern: str | None, timeout: float = 120.0,
+                  log_path: Path | None = None, env: dict[str, str] | None = None,
+                  cwd: str | None = None, parent_death_signal: int = signal.SIGTERM) -> ChildProcess:
+    """Start `argv` and wait (bounded) for a line matching `ready_pattern` (None: do not wait).
 
-    Raises RuntimeError naming the part, with the tail of its output, if it exits or stays silent
-    past `timeout`.
+    `env` adds to (and overrides) this process's environment. The child gets `parent_death_signal`
+    when this process dies. Raises RuntimeError naming the part, with the tail of its output, if it
+    exits or stays silent past `timeout`.
     """
     log_file: IO[str] | None = None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = log_path.open("a")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=functools.partial(_die_with_parent, parent_death_signal),
+                            env={**os.environ, **env} if env else None, cwd=cwd)
     log: list[str] = []
     found = threading.Event()
     ready: list[str] = []
-    pattern = re.compile(ready_pattern)
+    pattern = re.compile(ready_pattern) if ready_pattern is not None else None
 
     def read() -> None:  # keeps draining the pipe so the child never blocks on a full buffer
         assert proc.stdout is not None
@@ -84,7 +95,7 @@ def start_process(name: str, argv: list[str], ready_pattern: str, timeout: float
             if log_file is not None:
                 log_file.write(line)
                 log_file.flush()
-            match = pattern.search(line)
+            match = pattern.search(line) if pattern is not None else None
             if match and not found.is_set():
                 ready.append(match.group(1) if match.groups() else line.strip())
                 found.set()
@@ -93,6 +104,8 @@ def start_process(name: str, argv: list[str], ready_pattern: str, timeout: float
             log_file.close()
 
     threading.Thread(target=read, name=f"log {name}", daemon=True).start()
+    if pattern is None:
+        return ChildProcess(name, argv, proc, "", log, log_path)
     if not found.wait(timeout) or not ready:
         proc.kill()
         proc.wait()
@@ -100,11 +113,23 @@ def start_process(name: str, argv: list[str], ready_pattern: str, timeout: float
     return ChildProcess(name, argv, proc, ready[0], log, log_path)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, however it dies (Linux), so a
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not Linux: the launcher's shutdown is the only guard
+        return None
+
+
+# Loaded here, not in the child between fork and exec: a Ray actor (launch.ray_actor) has many
+# threads, and loading a library in a forked child of a threaded process can deadlock.
+_LIBC = _load_libc()
+
+
+def _die_with_parent(sig: int) -> None:
+    """In the child, before exec: get `sig` when the launcher dies, however it dies (Linux), so a
     killed launcher leaves no engines, buffers or workers behind."""
-    with contextlib.suppress(OSError):  # not Linux: the launcher's shutdown is the only guard
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    if _LIBC is not None:
+        _LIBC.prctl(1, sig)  # PR_SET_PDEATHSIG = 1
 
 
 def start_engine(model_dir: str | Path, *args: str, timeout: float = 120.0, port: int = 0,

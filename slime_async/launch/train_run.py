@@ -1,4 +1,5 @@
-"""`slime-async train`: a run directory, every part as a process, a live view, a summary at the end.
+"""`slime-async train`: a run directory, every part as a process (here, or under Ray actors with
+`--ray`), a live view, a summary at the end.
 
 The run directory `<run.dir>/<run.name>` holds the resolved config (`config.yaml`, what every part
 reads), `logs/` (one file per part), `metrics.jsonl` (one line per trainer step, written by the
@@ -55,9 +56,11 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: Console | None = None) -> dict:
-    """Run the whole asynchronous loop locally until the trainer has done `train.steps` steps:
-    warm-start (when enabled), the success check, RL, the success after, a summary."""
+def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: Console | None = None,
+          ray: str | None = None) -> dict:
+    """Run the whole asynchronous loop until the trainer has done `train.steps` steps: warm-start (when
+    enabled), the success check, RL, the success after, a summary. The parts run as processes here, or
+    as Ray actors when `ray` is given (an address, or "" for `launch.ray.address` / Ray's discovery)."""
     console = console or Console()
     check_log_config(cfg.log)
     started = time.monotonic()
@@ -71,10 +74,18 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
         console.print(f"success before RL: {before.sampled:.1%} sampled, {before.greedy:.1%} greedy "
                       f"({before.tasks} held-out problems)")
         check_success(cfg, before)
-    launcher = LocalLauncher(cfg, config_path, run_dir)
+    launcher: LocalLauncher
+    if ray is not None:
+        from slime_async.launch.ray_launcher import RayLauncher
+
+        launcher = RayLauncher(cfg, config_path, run_dir, address=ray or None)
+    else:
+        launcher = LocalLauncher(cfg, config_path, run_dir)
     rl_started = time.monotonic()
-    with console.status("starting buffer, engines, trainer and rollout workers ..."):
+    where = "as Ray actors" if ray is not None else "as processes"
+    with console.status(f"starting buffer, engines, trainer and rollout workers {where} ..."):
         launcher.start(on_event=lambda message: console.print(f"[yellow]{message}[/]"))
+    parts = launcher.describe()
     metrics_path = run_dir / "metrics.jsonl"
     try:
         with Live(_view(cfg, run_dir, rl_started), console=console, refresh_per_second=1) as live:
@@ -84,8 +95,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
 
             launcher.supervise(done)
         rl_s = time.monotonic() - rl_started
-        stop_rollout(launcher)  # what the workers finished reaches the buffer before it is counted
-        buffer_metrics = _buffer_metrics(launcher, cfg)
+        launcher.stop_rollout()  # what the workers finished reaches the buffer before it is counted
+        buffer_metrics = buffer_counts(launcher)
         after = None
         if cfg.warmstart.check_tasks:  # on the engines, which serve the final weights
             with console.status("measuring success after RL ..."):
@@ -96,7 +107,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
     evals = read_metrics(run_dir / "eval.jsonl")
     summary = {"steps": len(records), "wall_s": time.monotonic() - started, "rl_s": rl_s, "warmstart": warm,
                "success_before": asdict(before) if before else None,
-               "success_after": asdict(after) if after else None, "events": launcher.events,
+               "success_after": asdict(after) if after else None, "events": launcher.events, "parts": parts,
                "last": records[-1] if records else None, "buffer": buffer_metrics, "eval": evals,
                "max_staleness": max((r.get("max_staleness", 0) for r in records), default=None),
                "rollout": rollout_stats(run_dir),
@@ -130,17 +141,12 @@ def _warm_start(cfg: Config, console: Console) -> tuple[Config, dict[str, Any] |
     return msgspec.structs.replace(cfg, model=model), {**info, "path": str(path), "cached": cached}
 
 
-def stop_rollout(launcher: LocalLauncher) -> None:
-    for part in launcher.parts:
-        if part.name.startswith("rollout") and part.child is not None:
-            part.child.stop(timeout=60)
-
-
-def _buffer_metrics(launcher: LocalLauncher, cfg: Config) -> dict[str, int] | None:
+def buffer_counts(launcher: LocalLauncher) -> dict[str, int] | None:
     """received = trained + buffered + dropped, as the buffer counts them at the end of the run."""
     from slime_async.buffer import BufferClient
 
-    client = BufferClient(launcher.buffer_endpoint, curve_dir=cfg.buffer.curve_dir)
+    curve_dir = getattr(launcher, "client_curve_dir", None) or launcher.cfg.buffer.curve_dir
+    client = BufferClient(launcher.buffer_endpoint, curve_dir=curve_dir)
     try:
         return client.metrics(timeout=10)
     except TimeoutError:

@@ -85,6 +85,7 @@ class SGLangClient:
         unhealthy_after: int = 2,
         health_interval: float = 2.0,
         max_resumes: int = 16,
+        admin_token: str | None = None,
     ) -> None:
         if not urls:
             raise ValueError("engine urls: at least one server URL is needed")
@@ -97,6 +98,8 @@ class SGLangClient:
         self.unhealthy_after = unhealthy_after
         self.health_interval = health_interval
         self.max_resumes = max_resumes
+        self._admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        """`/abort_request` is an admin endpoint: engines with an admin token refuse it without."""
         self.latest_version = -1
         """Highest weight version any server reported (the weight-sync protocol's stamp)."""
         self.stats = ClientStats()
@@ -236,6 +239,11 @@ class SGLangClient:
                 {"version": meta["weight_version"], "start": 0, "end": len(ids)}]
             versions = [0] * len(ids)
             for span in spans:
+                if not str(span["version"]).lstrip("-").isdigit():
+                    # a replacement engine reports a non-number (`pending`) until the trainer's push
+                    # brings it to the current version: its tokens are not used
+                    raise BadResponse(f"weight version {span['version']!r} is not a number (the server was not "
+                                      "brought up to date yet)")
                 v = int(span["version"])
                 versions[span["start"]:span["end"]] = [v] * (span["end"] - span["start"])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -282,7 +290,7 @@ class SGLangClient:
         async def abort() -> None:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
                 assert session is not None
-                async with session.post(server.url + "/abort_request", json={"rid": rid},
+                async with session.post(server.url + "/abort_request", json={"rid": rid}, headers=self._admin,
                                         timeout=aiohttp.ClientTimeout(total=5)):
                     self.stats.aborts_sent += 1
 

@@ -58,7 +58,7 @@ async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: 
     sink = JsonlSink(out)
     r = cfg.rollout
     try:
-        async with SGLangClient(urls) as client:
+        async with SGLangClient(urls, admin_token=cfg.engine.admin_token) as client:
             scheduler = Scheduler(
                 factory, tasks, client, tokenizer, sink,
                 group_size=r.group_size, batch_size=r.batch_size, max_staleness=r.max_staleness,

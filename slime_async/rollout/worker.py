@@ -64,8 +64,8 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
     sampling = Sampling.from_config(r.sampling)
     # Each worker admits its share of the batch, so that the workers together keep the global bound.
     batch_share = max(1, r.batch_size // num_workers)
-    async with SGLangClient(engines) as client, AsyncSender(buffer, name=f"rollout-{worker}",
-                                                            curve_dir=cfg.buffer.curve_dir) as sender:
+    async with SGLangClient(engines, admin_token=cfg.engine.admin_token) as client, AsyncSender(
+            buffer, name=f"rollout-{worker}", curve_dir=cfg.buffer.curve_dir) as sender:
         sink = BufferSink(sender)
         scheduler = Scheduler(
             envs, tasks, client, tokenizer, sink, group_size=r.group_size,

@@ -160,6 +160,33 @@ class WeightPublisher:
                                           {"new_version": str(version), "abort_all_requests": False})
                                for u in self.urls))
 
+    # --- sharing the GPUs with the trainer ------------------------------------------------
+
+    async def release_memory(self) -> list[str]:
+        """Every engine stops generating (running requests go back to its queue: mode retract, as
+        SGLang requires an idle engine) and gives its GPU memory back. Returns the engines that did;
+        one that is down or refuses is logged and left to `restore_memory` / `reconcile`."""
+        async def one(url: str) -> None:
+            await self._post(url, "/pause_generation", {"mode": "retract"})
+            await self._post(url, "/release_memory_occupation", {})
+
+        return await self._each(one, "release memory")
+
+    async def restore_memory(self, weights: NamedWeights, version: int) -> PublishReport:
+        """Undo `release_memory`: take the memory back, push `version`'s weights (SGLang's released
+        weights hold nothing until then) and let the engines generate again."""
+        await self._each(lambda url: self._post(url, "/resume_memory_occupation", {}), "resume memory")
+        report = await self.publish(weights, version)
+        await self._each(lambda url: self._post(url, "/continue_generation", {}), "continue generation")
+        return report
+
+    async def _each(self, call: Callable[[str], Any], what: str) -> list[str]:
+        results = await asyncio.gather(*(call(u) for u in self.urls), return_exceptions=True)
+        for url, result in zip(self.urls, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("%s on %s failed: %s", what, url, result)
+        return [u for u, r in zip(self.urls, results, strict=True) if not isinstance(r, BaseException)]
+
     # --- publishing -----------------------------------------------------------------------
 
     async def publish(self, weights: NamedWeights, version: int, urls: list[str] | None = None) -> PublishReport:

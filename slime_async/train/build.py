@@ -64,4 +64,5 @@ def build_trainer(
         publisher=build_publisher(config, engine_urls) if engine_urls else None,
         checkpoint_dir=run_dir(config) / "checkpoints",
         extra_state=extra_state,
+        release_memory=bool(config.sync.release_memory),
     )

@@ -67,6 +67,10 @@ class WeightSink(Protocol):
 
     async def reconcile(self, weights: NamedWeights, version: int) -> list[str]: ...
 
+    async def release_memory(self) -> list[str]: ...
+
+    async def restore_memory(self, weights: NamedWeights, version: int) -> PublishReport: ...
+
 
 @dataclass
 class StepRecord:
@@ -103,6 +107,7 @@ class Trainer:
         checkpoint_dir: Path | None = None,
         extra_state: dict[str, Stateful] | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
+        release_memory: bool = False,
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"rollout.sampling.temperature: the trainer needs > 0 to compute logprobs, got "
@@ -116,6 +121,8 @@ class Trainer:
         self.checkpoint_dir = checkpoint_dir
         self.extra_state = extra_state or {}
         self.on_step = on_step
+        self.release_memory = release_memory and publisher is not None
+        """Engines give their GPU memory back while this trainer computes (they share its GPUs)."""
         self.objective = Objective(cfg)
         self.version = 0
         self.counters: Counter[str] = Counter()
@@ -160,7 +167,11 @@ class Trainer:
         target = until_version if until_version is not None else self.cfg.steps
         limit = self.cfg.time_limit_s
         deadline = time.monotonic() + limit if limit is not None else math.inf
-        if self.publisher is not None:
+        if self.release_memory:
+            # a trainer that died mid-step may have left the engines without their memory
+            assert self.publisher is not None
+            await self.publisher.restore_memory(self.backend.named_weights, self.version)
+        elif self.publisher is not None:
             # engines that restarted or missed the last publish get this version before training goes on
             behind = await self.publisher.reconcile(self.backend.named_weights, self.version)
             self.counters["engines_reconciled"] += len(behind)
@@ -205,6 +216,36 @@ class Trainer:
             log.warning("batch of %d trajectories had nothing to train on: %s", len(trajectories),
                         dict(built.skipped))
             return None
+        record = StepRecord(version=self.version, applied=0, trajectories=len(batch), loss=0.0, grad_norm=0.0)
+        if self.release_memory:  # the engines share our GPUs: they give them up while we compute
+            assert self.publisher is not None
+            await self.publisher.release_memory()
+        try:
+            await self._train(batch, record, max_steps)
+        finally:
+            if self.release_memory:  # back with this version's weights (also when the step failed)
+                assert self.publisher is not None
+                record.publish = await self.publisher.restore_memory(self.backend.named_weights, self.version)
+        valid = batch.min_versions[batch.min_versions >= 0]
+        oldest = int(valid.min()) if valid.numel() else self.version
+        # the last step trained the weights of version (self.version - 1) on tokens as old as `oldest`
+        record.max_staleness = max(0, self.version - (1 if record.applied else 0) - oldest)
+        if record.applied:
+            self.counters["trajectories_trained"] += len(batch)
+        else:  # counted, never silently lost (DESIGN.md, "Reliability rules")
+            self.counters["skipped:step_not_applied"] += len(batch)
+        if record.applied and self.publisher is not None and record.publish is None:
+            record.publish = await self.publisher.publish(self.backend.named_weights, self.version)
+        if record.publish is not None and record.publish.failed:
+            self.counters["publish_failures"] += len(record.publish.failed)
+        if record.applied:
+            self.source.set_version(self.version)
+        record.version = self.version
+        record.seconds = time.perf_counter() - start
+        return record
+
+    async def _train(self, batch: Any, record: StepRecord, max_steps: int | None) -> None:
+        """Proximal (and reference) logprobs, then up to `train.steps_per_batch` optimizer steps on `batch`."""
         obj = self.objective
         if self.cfg.proximal == "recompute":
             prox = (await asyncio.to_thread(self.backend.logprobs, batch, self.temperature)).logprobs
@@ -214,7 +255,6 @@ class Trainer:
         if obj.needs_reference:
             ref = (await asyncio.to_thread(self.backend.logprobs, batch, self.temperature, False, True)).logprobs
         prep = obj.prepare(batch, prox, ref)
-        record = StepRecord(version=self.version, applied=0, trajectories=len(batch), loss=0.0, grad_norm=0.0)
         steps = self.cfg.steps_per_batch if max_steps is None else min(self.cfg.steps_per_batch, max_steps)
         for i in range(steps):
             result = await asyncio.to_thread(self.backend.train_step, batch, obj.loss_fn(prep), self.temperature,
@@ -231,23 +271,6 @@ class Trainer:
                 record.skipped_steps.append(result.reason)
                 log.warning("step skipped at version %d: %s", self.version, result.reason)
                 break  # the same batch would fail the same way
-        valid = batch.min_versions[batch.min_versions >= 0]
-        oldest = int(valid.min()) if valid.numel() else self.version
-        # the last step trained the weights of version (self.version - 1) on tokens as old as `oldest`
-        record.max_staleness = max(0, self.version - (1 if record.applied else 0) - oldest)
-        if record.applied:
-            self.counters["trajectories_trained"] += len(batch)
-        else:  # counted, never silently lost (DESIGN.md, "Reliability rules")
-            self.counters["skipped:step_not_applied"] += len(batch)
-        if record.applied and self.publisher is not None:
-            record.publish = await self.publisher.publish(self.backend.named_weights, self.version)
-            if record.publish.failed:
-                self.counters["publish_failures"] += len(record.publish.failed)
-        if record.applied:
-            self.source.set_version(self.version)
-        record.version = self.version
-        record.seconds = time.perf_counter() - start
-        return record
 
 
 def seed_everything(seed: int) -> None:

@@ -1,11 +1,13 @@
 """The trainer process: batches from the buffer server, steps, weights to the engines, metrics to a file.
 
-`python -m slime_async.train.worker CONFIG_YAML --buffer ENDPOINT --engine URL [--engine URL ...]`
-resumes from the run's latest checkpoint if there is one, tells the buffer its version (handing
-back batches that a previous trainer received but did not train), prints `READY`, and trains until
-`train.steps`; each step appends one JSON line to `<run dir>/metrics.jsonl` (mirrored to TensorBoard
-and wandb per `log:`), and every `log.sample_every` steps a few of the batch's trajectories, decoded,
-to `<run dir>/samples.md`. SIGTERM/SIGINT end it after the batch in progress (a checkpoint is
+`python -m slime_async.train.worker CONFIG_YAML --buffer ENDPOINT --engine URL [--engine URL ...]
+[--rank R --world-size N --dist-init tcp://HOST:PORT]` joins the torch.distributed group when given
+one (the Ray launcher starts `train.world_size` ranks so), resumes from the run's latest checkpoint
+if there is one, tells the buffer its version (handing back batches that a previous trainer received
+but did not train), prints `READY`, and trains until `train.steps`; each step appends one JSON line
+to `<run dir>/metrics.jsonl` (mirrored to TensorBoard and wandb per `log:`), and every
+`log.sample_every` steps a few of the batch's trajectories, decoded, to `<run dir>/samples.md`.
+SIGTERM/SIGINT end it after the batch in progress (a checkpoint is
 written at the end of a complete run).
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_async.config import load_config
+from slime_async.train.distributed import DistInit, close_distributed, init_distributed
 from slime_async.train.loop import StepRecord
 from slime_async.types import Trajectory
 
@@ -61,7 +64,7 @@ def metrics_line(record: StepRecord, counters: dict[str, int], started: float) -
     }
 
 
-async def run_trainer(config_path: str, buffer: str, engines: list[str]) -> int:
+async def run_trainer(config_path: str, buffer: str, engines: list[str], dist: DistInit | None = None) -> int:
     from slime_async.buffer import BufferClient
     from slime_async.config.model_dir import load_tokenizer, resolve_model_path
     from slime_async.train.build import build_trainer, run_dir
@@ -69,6 +72,10 @@ async def run_trainer(config_path: str, buffer: str, engines: list[str]) -> int:
     from slime_async.train.samples import append_samples
 
     cfg = load_config(config_path)
+    if dist is not None:
+        # before the backend is built: a backend that splits ranks into parallel groups needs the
+        # default group (the megatron backend); the torch backend runs on one rank
+        init_distributed(dist)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
     client = BufferClient(buffer, curve_dir=cfg.buffer.curve_dir)
     source = BufferSource(client)
@@ -95,6 +102,8 @@ async def run_trainer(config_path: str, buffer: str, engines: list[str]) -> int:
     print(f"DONE version={trainer.version} counters={dict(trainer.counters)}", flush=True)
     client.close()
     metrics.close()
+    if dist is not None:
+        close_distributed()
     return 0
 
 
@@ -103,9 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("config", type=Path)
     parser.add_argument("--buffer", required=True)
     parser.add_argument("--engine", action="append", default=[])
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--dist-init", default=None, help="tcp://HOST:PORT of rank 0's rendezvous")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    sys.exit(asyncio.run(run_trainer(str(args.config), args.buffer, args.engine)))
+    dist = DistInit(args.rank, args.world_size, args.dist_init) if args.dist_init else None
+    sys.exit(asyncio.run(run_trainer(str(args.config), args.buffer, args.engine, dist)))
 
 
 if __name__ == "__main__":

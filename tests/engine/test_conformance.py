@@ -90,6 +90,8 @@ REQUEST_CLASSES = [
     protocol.UpdateWeightFromDiskReqInput,
     protocol.UpdateWeightsFromTensorReqInput,
     protocol.UpdateWeightVersionReqInput,
+    protocol.ReleaseMemoryOccupationReqInput,
+    protocol.ResumeMemoryOccupationReqInput,
     protocol.InitWeightsUpdateGroupReqInput,
     protocol.UpdateWeightsFromDistributedReqInput,
 ]

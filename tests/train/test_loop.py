@@ -188,6 +188,56 @@ async def test_loop_waits_for_data_and_trains_it_when_it_arrives(tiny_model_dir:
     assert trainer.version == 1 and records[0].trajectories == 4
 
 
+class MemorySink(RecordingSink):
+    """Also records the release/restore calls of engines that share the trainer's GPUs."""
+
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    async def release_memory(self) -> list[str]:
+        self.calls.append("release")
+        return ["x"]
+
+    async def restore_memory(self, weights: NamedWeights, version: int) -> PublishReport:
+        self.calls.append(f"restore {version}")
+        return await self.publish(weights, version)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+async def test_engines_give_their_memory_back_around_the_gpu_work(
+    tiny_model_dir: Path, fail: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Release before the first forward, restore with the version reached after the step, also when it fails."""
+    calls: list[str] = []
+    trainer, _, _ = make(tiny_model_dir, InMemorySource(make_trajectories(4)))
+    sink = MemorySink(calls)
+    trainer.publisher, trainer.release_memory = sink, True
+    original_logprobs, original_step = trainer.backend.logprobs, trainer.backend.train_step
+
+    def logprobs(*args: object, **kw: object) -> object:
+        calls.append("logprobs")
+        return original_logprobs(*args, **kw)
+
+    def train_step(*args: object, **kw: object) -> object:
+        calls.append("train_step")
+        if fail:
+            raise RuntimeError("boom")
+        return original_step(*args, **kw)
+
+    monkeypatch.setattr(trainer.backend, "logprobs", logprobs)
+    monkeypatch.setattr(trainer.backend, "train_step", train_step)
+    if fail:
+        with pytest.raises(RuntimeError, match="boom"):
+            await trainer.step()
+        assert calls == ["release", "logprobs", "train_step", "restore 0"]
+    else:
+        record = await trainer.step()
+        assert record is not None and record.version == 1 and record.publish is not None
+        assert calls == ["release", "logprobs", "train_step", "restore 1"]
+        assert sink.published == [(1, len(list(trainer.backend.named_weights())))]  # one push, not two
+
+
 async def test_time_limit_ends_training_like_the_last_step(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
     import time as real_time
