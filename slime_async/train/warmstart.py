@@ -34,7 +34,7 @@ from slime_async.config.schema import Config, WarmstartConfig
 from slime_async.env import EnvFactory, ScriptedPolicy, run_episode
 from slime_async.train.backend import Logprobs
 from slime_async.train.batch import Batch, build_batch
-from slime_async.types import Trajectory
+from slime_async.types import Task, Trajectory
 
 log = logging.getLogger("slime_async.train.warmstart")
 
@@ -76,22 +76,29 @@ async def demonstrations(factory: EnvFactory, tokenizer: Any, count: int, seed: 
     if not tasks:
         raise WarmstartError(f"warmstart: env {factory.name} has no train tasks to demonstrate")
     random.Random(seed).shuffle(tasks)
-    out: list[Trajectory] = []
-    for i in range(count):
-        task = tasks[i % len(tasks)]
+    chosen = [tasks[i % len(tasks)] for i in range(count)]
+    replies = []
+    for task in chosen:
         try:
-            replies = factory.cls.demonstration(factory.args, task)
+            replies.append(factory.cls.demonstration(factory.args, task))
         except NotImplementedError:
             raise WarmstartError(
                 f"warmstart.enabled: env {factory.name} has no demonstrations (it does not override "
                 "Env.demonstration); set warmstart.enabled: false or write one") from None
-        traj = await run_episode(factory.new(), task, ScriptedPolicy(replies, tokenizer), tokenizer,
-                                 env_name=factory.name)
+    # concurrently: tools may take their time (a sandbox, a search, injected latency)
+    gate = asyncio.Semaphore(256)
+
+    async def one(task: Task, script: list[str]) -> Trajectory:
+        async with gate:
+            return await run_episode(factory.new(), task, ScriptedPolicy(script, tokenizer), tokenizer,
+                                     env_name=factory.name)
+
+    out = await asyncio.gather(*(one(t, r) for t, r in zip(chosen, replies, strict=True)))
+    for task, traj in zip(chosen, out, strict=True):
         if traj.reward <= 0:
             raise WarmstartError(f"warmstart: the demonstration of task {task.id} ({task.prompt!r}) earns reward "
                                  f"{traj.reward} (stop: {traj.stop_reason}); Env.demonstration must succeed")
-        out.append(traj)
-    return out
+    return list(out)
 
 
 def seed_of(cfg: Config) -> int:
