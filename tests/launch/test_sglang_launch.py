@@ -36,6 +36,7 @@ def test_sglang_engines_behind_the_router_with_a_replaced_engine(tmp_path: Path,
         "sglang.mem_fraction_static=0.5", "sglang.enable_torch_compile=true", "train.steps=4",
         "train.checkpoint_every=1", "train.batch_timeout_s=1", "rollout.batch_size=8", "rollout.group_size=4",
         "rollout.sampling.max_new_tokens=16", "launch.ready_timeout_s=300", "data.eval_every=0",
+        "rollout.filter_equal_rewards=false",
     ])
     run_dir, config_path = prepare_run_dir(cfg, resume=False, overwrite=True)
     launcher = LocalLauncher(cfg, config_path, run_dir)
