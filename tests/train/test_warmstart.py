@@ -88,3 +88,19 @@ def test_warm_start_is_deterministic_for_a_seed(tiny_model_dir: Path, tmp_path: 
     c, _ = warm_start(config("warmstart.examples=32", "run.seed=1"), tiny_model_dir, tmp_path / "c")
     assert not torch.equal(TorchBackend(a, device="cpu").model.lm_head.weight,
                            TorchBackend(c, device="cpu").model.lm_head.weight)
+
+
+def test_lr_factor_ramps_then_decays_to_a_tenth() -> None:
+    from slime_async.train.warmstart import lr_factor
+
+    assert [lr_factor(s, 100, 4) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lr_factor(100, 100, 4) == pytest.approx(0.1) and 0.1 < lr_factor(50, 100, 4) < 1.0
+
+
+def test_success_floor_stops_below_and_passes_at_or_above() -> None:
+    from slime_async.launch.success_check import Success, SuccessTooLow, check_success
+
+    cfg = config("warmstart.min_success=0.2")
+    with pytest.raises(SuccessTooLow, match=r"warmstart\.min_success"):
+        check_success(cfg, Success(sampled=0.1, greedy=0.5, tasks=8))
+    check_success(cfg, Success(sampled=0.2, greedy=0.5, tasks=8))
