@@ -341,8 +341,14 @@ class TrainConfig(_Section):
 class SyncConfig(_Section):
     mode: Literal["tensor", "disk", "nccl"] = "tensor"
     """How weights reach the engines: serialized tensors over HTTP, safetensors on disk, or NCCL."""
+    tensor_format: Literal["auto", "shared", "safetensors"] = "auto"
+    """Tensor mode's payload. `shared`: SGLang's own format, tensor handles (CUDA IPC; shared memory for
+    CPU tensors) that an engine on the same GPU or host maps and copies, with no bytes in the request
+    (what a real SGLang server takes). `safetensors`: the bytes, base64 in the request (the embedded
+    engine only; any host). `auto`: `shared` when the trainer's weights are on a GPU, else
+    `safetensors`; an engine that cannot open the handles (another host) gets safetensors."""
     bucket_mb: PositiveFloat = 512
-    """Largest single weight-update request (MB); a larger tensor goes alone."""
+    """Largest single safetensors weight-update request (MB); a larger tensor goes alone."""
     retries: NonNegativeInt = 3
     """Extra attempts of a failed push to one engine (the whole push again, never a partial one)."""
     retry_backoff_s: NonNegativeFloat = 0.5

@@ -290,6 +290,9 @@ class Engine:
             # bound for a 0.5B model on an H200)
             names = list(tensors)
             torch._foreach_copy_([params[n] for n in names], [tensors[n] for n in names])
+            if any(t.is_cuda for t in tensors.values()):
+                # the sender may reuse shared (CUDA IPC) memory as soon as we answer: finish reading it
+                torch.cuda.synchronize()
         if version is not None:
             self.weight_version = version
         return len(tensors)

@@ -147,9 +147,9 @@ class UpdateWeightFromDiskReqInput(_Body):
 
 class UpdateWeightsFromTensorReqInput(_Body):
     serialized_named_tensors: list[bytes]
-    """Base64 strings. SGLang's are pickled tensor handles (meaningful only to a colocated GPU
-    process); the embedded engine takes each as base64 of a safetensors file (`sync` writes them).
-    Typed as bytes so that msgspec decodes the base64 itself, in C, while parsing the body."""
+    """Base64 strings: SGLang's pickled tensor handles (CUDA IPC; `engine.shared_tensors`), which the
+    embedded engine also takes, or base64 of a safetensors file (the embedded engine only). Typed as
+    bytes so that msgspec decodes the base64 itself, in C, while parsing the body."""
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False

@@ -1,4 +1,5 @@
-"""Weights as they travel to the engine: safetensors bytes in base64 (HTTP) or files on disk."""
+"""Weights as they travel to the engine: safetensors bytes in base64 (HTTP), SGLang's pickled tensor
+handles (`shared_tensors`), or files on disk."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
+
+from slime_async.engine.shared_tensors import deserialize_shared, is_pickle
 
 
 def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -31,12 +34,19 @@ def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def decode_named_tensors(serialized: list[bytes] | list[str]) -> dict[str, torch.Tensor]:
-    """The inverse of `encode_named_tensors` over a list (items already base64-decoded, or base64
-    strings); a ValueError names the bad item."""
+    """The tensors of every item (items already base64-decoded, or base64 strings). An item is
+    either `encode_named_tensors`' safetensors file or SGLang's own pickled tensor handles
+    (`shared_tensors`); a ValueError names the bad item."""
     tensors: dict[str, torch.Tensor] = {}
     for i, item in enumerate(serialized):
         try:
             raw = base64.b64decode(item, validate=True) if isinstance(item, str) else item
+        except ValueError as exc:
+            raise ValueError(f"serialized_named_tensors[{i}]: not base64 ({exc})") from None
+        if is_pickle(raw):
+            tensors.update(deserialize_shared(raw, i))
+            continue
+        try:
             tensors.update(load_safetensors(raw))
         except Exception as exc:
             raise ValueError(f"serialized_named_tensors[{i}]: not base64 of a safetensors file ({exc})") from None

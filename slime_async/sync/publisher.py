@@ -30,6 +30,7 @@ import msgspec
 import torch
 
 from slime_async.config.schema import SyncConfig
+from slime_async.engine.shared_tensors import serialize_shared
 from slime_async.engine.weights import safetensors_bytes
 from slime_async.sync.buckets import bucket_named_tensors
 from slime_async.sync.disk import prune_versions, write_version
@@ -63,7 +64,8 @@ class PublishReport:
     """Engines found on an older version than the previous publish (they had missed an update)."""
     attempts: int = 0
     prepare_seconds: float = 0.0
-    """Of `seconds`, the trainer side's serialisation (tensor: safetensors + base64 bodies; disk: the file)."""
+    """Of `seconds`, the trainer side's serialisation (tensor: safetensors bodies or shared handles;
+    disk: the file)."""
 
 
 class WeightPublisher:
@@ -77,6 +79,7 @@ class WeightPublisher:
         *,
         disk_dir: Path | None = None,
         admin_token: str | None = None,
+        engine_tp_size: int = 1,
     ) -> None:
         if not urls:
             raise ValueError("sync: no engine URLs to publish weights to")
@@ -85,12 +88,16 @@ class WeightPublisher:
         self.urls = [u.rstrip("/") for u in urls]
         self.cfg = cfg
         self.disk_dir = disk_dir
+        self.engine_tp_size = engine_tp_size
+        """SGLang reads item `tp_rank` of `serialized_named_tensors`: a shared push sends one per rank."""
         self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.published: int | None = None
         """The last version every engine confirmed (None before the first publish)."""
         self._session: aiohttp.ClientSession | None = None
         self._nccl: Any = None
         self._paused: set[str] = set()
+        self._no_shared: set[str] = set()
+        """Engines that could not open shared tensors (another host or GPU): they get safetensors."""
         """Engines this publisher paused and has not resumed yet (a push failed half-way)."""
 
     async def __aenter__(self) -> WeightPublisher:
@@ -205,6 +212,8 @@ class WeightPublisher:
         push, nbytes, nbuckets = await self._prepare(weights, version)
         prepare_seconds = time.perf_counter() - prepared
         results = await asyncio.gather(*(self._push_with_retries(push, u) for u in targets))
+        if self.cfg.mode == "tensor" and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()  # free what the engines' handles kept alive, now that they let go
         report = PublishReport(version=version, seconds=0.0, bytes=nbytes, buckets=nbuckets, missed=missed,
                                prepare_seconds=prepare_seconds)
         for url, (attempts, error) in zip(targets, results, strict=True):
@@ -235,24 +244,36 @@ class WeightPublisher:
         mode = self.cfg.mode
         limit = int(self.cfg.bucket_mb * 1024 * 1024)
         if mode == "tensor":
-            def encode() -> tuple[list[bytes], int, int]:
-                buckets = bucket_named_tensors(weights(), limit)
-                nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
-                bodies = []
-                for i, bucket in enumerate(buckets):
-                    last = i == len(buckets) - 1
-                    body: dict[str, Any] = {"serialized_named_tensors": [safetensors_bytes(bucket)],
-                                            "flush_cache": last}
-                    if last:
-                        body["weight_version"] = str(version)
-                    # one request body per bucket, shared by every engine
-                    bodies.append(msgspec.json.encode(body))
-                return bodies, nbytes, len(buckets)
+            def encode() -> tuple[list[bytes], int, int, Callable[[], list[bytes]] | None]:
+                named = list(weights())
+                nbytes = sum(t.numel() * t.element_size() for _, t in named)
+                if self._shared_format(named):
+                    if any(t.is_cuda for _, t in named):
+                        torch.cuda.synchronize()  # the optimizer's last kernels must have written the weights
+                    # handles are a few bytes each: one request, so no pause is needed around it
+                    bodies = [_tensor_body([serialize_shared(named)] * self.engine_tp_size, version, last=True)]
+                    return bodies, nbytes, 1, lambda: _safetensors_bodies(named, limit, version)
+                bodies = _safetensors_bodies(named, limit, version)
+                return bodies, nbytes, len(bodies), None
 
-            payloads, nbytes, nbuckets = await asyncio.to_thread(encode)
+            payloads, nbytes, nbuckets, fallback = await asyncio.to_thread(encode)
+            copies: list[list[bytes]] = []
 
             async def push_tensor(url: str) -> None:
-                await self._push_tensor(url, payloads, version)
+                if fallback is not None and url in self._no_shared:
+                    if not copies:  # made once, for every engine that cannot open the handles
+                        copies.append(await asyncio.to_thread(fallback))
+                    await self._push_tensor(url, copies[0], version)
+                    return
+                try:
+                    await self._push_tensor(url, payloads, version)
+                except PushError as exc:
+                    if fallback is None or "cannot open shared tensors" not in str(exc):
+                        raise
+                    # another host or GPU: the engine cannot map our memory; send bytes from now on
+                    log.warning("%s cannot open shared tensors; sending it safetensors instead: %s", url, exc)
+                    self._no_shared.add(url)
+                    await push_tensor(url)
 
             return push_tensor, nbytes, nbuckets
         if mode == "disk":
@@ -290,6 +311,10 @@ class WeightPublisher:
             return push_nccl, nbytes, len(buckets)
         raise ValueError(f"sync.mode: expected tensor, disk or nccl, got {mode!r}")
 
+    def _shared_format(self, named: list[tuple[str, torch.Tensor]]) -> bool:
+        fmt = self.cfg.tensor_format
+        return fmt == "shared" or (fmt == "auto" and any(t.is_cuda for _, t in named))
+
     async def _push_tensor(self, url: str, bodies: list[bytes], version: int) -> None:
         if len(bodies) > 1:
             await self._post(url, "/pause_generation", {"mode": "in_place"})
@@ -317,3 +342,18 @@ class WeightPublisher:
                 log.warning("weight push to %s failed (attempt %d of %d): %s",
                             url, attempt + 1, self.cfg.retries + 1, error)
         return self.cfg.retries + 1, error
+
+
+def _tensor_body(items: list[str] | list[bytes], version: int, last: bool) -> bytes:
+    """One `/update_weights_from_tensor` request body (the version and cache flush on the last)."""
+    body: dict[str, Any] = {"serialized_named_tensors": items, "flush_cache": last}
+    if last:
+        body["weight_version"] = str(version)
+    return msgspec.json.encode(body)
+
+
+def _safetensors_bodies(named: list[tuple[str, torch.Tensor]], limit: int, version: int) -> list[bytes]:
+    """The weights as safetensors files of at most `limit` bytes (a larger tensor goes alone), one
+    request body each, shared by every engine."""
+    buckets = bucket_named_tensors(named, limit)
+    return [_tensor_body([safetensors_bytes(b)], version, last=i == len(buckets) - 1) for i, b in enumerate(buckets)]

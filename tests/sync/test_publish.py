@@ -142,3 +142,59 @@ def test_bad_setup_is_named() -> None:
         WeightPublisher([], SyncConfig())
     with pytest.raises(ValueError, match="disk_dir"):
         WeightPublisher(["http://x"], SyncConfig(mode="disk"))
+
+
+async def test_shared_tensors_reach_the_engine_as_handles_and_change_output_exactly(engine, base, other) -> None:
+    # SGLang's own format (pickled handles; shared memory on CPU, CUDA IPC on a GPU): one request
+    # whatever the size, and nothing of the weights inside it
+    async with WeightPublisher([engine.url], fast(mode="tensor", tensor_format="shared", bucket_mb=0.5)) as pub:
+        report = await pub.publish(weights_of(other), 10)
+        assert report.updated == [engine.url] and not report.failed and report.buckets == 1
+        assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(other, PROMPT), "10")
+        report = await pub.publish(weights_of(base), 11)
+        assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(base, PROMPT), "11")
+        assert not pub._no_shared
+
+
+def test_shared_tensor_items_are_small_and_refuse_foreign_code() -> None:
+    import base64
+    import pickle
+
+    from slime_async.engine.shared_tensors import deserialize_shared, serialize_shared
+    from slime_async.engine.weights import decode_named_tensors
+
+    big = torch.randn(256, 1024)
+    item = serialize_shared([("w", big)])
+    assert len(item) < 4096 < big.numel() * 4  # a handle, not the bytes
+    assert torch.equal(decode_named_tensors([item])["w"], big)
+
+    class Evil:
+        def __reduce__(self):  # what a malicious item would carry: a call of any global
+            return (print, ("owned",))
+
+    evil = pickle.dumps([("w", Evil())], protocol=5)
+    with pytest.raises(ValueError, match=r"serialized_named_tensors\[0\]: global builtins.print is not allowed"):
+        deserialize_shared(evil, 0)
+    with pytest.raises(ValueError, match=r"serialized_named_tensors\[0\].*list of \(name, tensor\)"):
+        decode_named_tensors([base64.b64encode(pickle.dumps({"w": 1}, protocol=5)).decode()])
+
+
+async def test_engine_that_cannot_open_the_handles_gets_safetensors(engine, base, other, monkeypatch) -> None:
+    # an engine on another host answers that it cannot open them: that engine gets the bytes instead
+    import base64
+
+    import slime_async.sync.publisher as publisher
+
+    real = publisher.serialize_shared
+
+    def unreachable_handles(named):  # handles that name shared-memory files no process has
+        raw = base64.b64decode(real(named))
+        assert b"/torch_" in raw
+        return base64.b64encode(raw.replace(b"/torch_", b"/gone!_")).decode()
+
+    monkeypatch.setattr(publisher, "serialize_shared", unreachable_handles)
+    async with WeightPublisher([engine.url], fast(mode="tensor", tensor_format="shared")) as pub:
+        report = await pub.publish(weights_of(other), 12)
+        assert report.updated == [engine.url] and not report.failed
+        assert pub._no_shared == {engine.url}
+        assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(other, PROMPT), "12")
