@@ -10,6 +10,7 @@ with `{"error": {"message": ...}}` naming the field; the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -222,17 +223,24 @@ class EngineServer:
         await response.prepare(request)
         rid = req.rid or uuid.uuid4().hex
         task = asyncio.ensure_future(
-            self._run(req, rid, prompt, on_update=lambda s: loop.call_soon_threadsafe(updates.put_nowait, s)))
+            self._run(req, rid, prompt,
+                      on_update=lambda s: loop.call_soon_threadsafe(updates.put_nowait, _snapshot(s))))
+
+        async def send(seq: Sequence) -> None:
+            await response.write(b"data: " + json.dumps(self._output(req, seq)).encode() + b"\n\n")
+
         try:
             while not task.done():
                 getter = asyncio.ensure_future(updates.get())
                 await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
                 if getter.done():
-                    await response.write(b"data: " + json.dumps(self._output(req, getter.result())).encode() + b"\n\n")
+                    await send(getter.result())
                 else:
                     getter.cancel()
+            while not updates.empty():  # updates queued before the end: none is skipped
+                await send(updates.get_nowait())
             for seq in task.result():
-                await response.write(b"data: " + json.dumps(self._output(req, seq)).encode() + b"\n\n")
+                await send(seq)
             await response.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             task.cancel()
@@ -345,6 +353,13 @@ class EngineServer:
         return web.json_response(
             {"success": False, "message": f"{request.path} (NCCL weight broadcast) is not supported by the "
              "embedded engine; use update_weights_from_tensor or update_weights_from_disk"}, status=501)
+
+
+def _snapshot(seq: Sequence) -> Sequence:
+    """The sequence as it is now: the engine thread keeps appending to the original while the event
+    loop writes this update, so each streamed event shows exactly the tokens it announces."""
+    return dataclasses.replace(seq, output=list(seq.output), logprobs=list(seq.logprobs),
+                               versions=list(seq.versions), on_update=None, on_finish=None)
 
 
 def _device_gib() -> float | None:
