@@ -76,8 +76,9 @@ class EngineConfig(_Section):
     num_engines: PositiveInt = 1
     host: str = "127.0.0.1"
     """Bind address; anything but loopback requires `admin_token`."""
-    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 30000
-    """Port of the first engine; engine i listens on port + i. 0 picks free ports."""
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Port of the first engine; engine i listens on port + i. 0 (the default) picks free ports, so
+    that runs side by side on one machine never collide."""
     max_batch_size: PositiveInt = 32
     """Most sequences decoded together (continuous batching)."""
     admin_token: str | None = None
