@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from slime_async.engine.graphs import make_decoder
 from slime_async.engine.model import SlotModel
 from slime_async.engine.protocol import SamplingParams
 from slime_async.engine.sampling import sample
@@ -62,12 +63,15 @@ class Engine:
         context_length: int | None = None,
         seed: int = 0,
         weight_version: str = "0",
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.context_length = context_length or int(model.config.max_position_embeddings)
         self.slots = SlotModel(model, max_batch_size, self.context_length)
+        self.decoder = make_decoder(self.slots, cuda_graphs)
+        """The decode step: eager on CPU, CUDA graphs per batch-size bucket on a GPU."""
         self.generator = torch.Generator(device=self.slots.device).manual_seed(seed)
         self.weight_version = weight_version
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) or model.config.eos_token_id
@@ -138,25 +142,29 @@ class Engine:
             if future is not None and loop is not None:
                 loop.call_soon_threadsafe(_resolve, future, result, error)
 
-    def _free_slot(self) -> int | None:
-        used = {s.slot for s in self.running}
-        return next((i for i in range(self.max_batch_size) if i not in used), None)
-
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch_size:
-            seq = self.waiting.popleft()
-            seq.slot = self._free_slot()
-            tokens = seq.prompt + seq.output  # after a retract, re-prefill what was generated
-            logits = self.slots.prefill(seq.slot, tokens)
-            seq.cached = len(tokens)
+        # slots stay compact: the running sequence i owns slot i (see `_vacate`)
+        room = self.max_batch_size - len(self.running)
+        if not self.waiting or room <= 0:
+            return
+        batch: list[Sequence] = []
+        while self.waiting and len(batch) < room:
+            seq = self.waiting[0]
+            length = seq.length  # after a retract, re-prefill what was generated too
+            # one forward pads every prompt to the longest: bound the padded size, not just the sum
+            if batch and (len(batch) + 1) * max(length, max(s.length for s in batch)) > PREFILL_TOKENS:
+                break
+            batch.append(self.waiting.popleft())
+        first = len(self.running)
+        logits = self.slots.prefill_batch(first, [s.prompt + s.output for s in batch])
+        for i, seq in enumerate(batch):
+            seq.slot, seq.cached = first + i, seq.length
             self.running.append(seq)
-            self._sample([seq], logits)
+        self._sample(batch, logits)
 
     def _decode(self) -> None:
-        batch = sorted(self.running, key=lambda s: s.slot)
-        logits = self.slots.decode(
-            [s.slot for s in batch], [s.output[-1] for s in batch], [s.length - 1 for s in batch]
-        )
+        batch = list(self.running)
+        logits = self.decoder.decode([s.output[-1] for s in batch], [s.length - 1 for s in batch])
         for s in batch:
             s.cached = s.length
         self.steps += 1
@@ -164,16 +172,19 @@ class Engine:
 
     def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> None:
         params = [s.params for s in batch]
-        device = logits.device
+        # per-row parameters stay on the CPU: `sample` reads its branch flags there (no device sync)
         tokens, logprobs = sample(
             logits,
-            torch.tensor([p.temperature for p in params], device=device),
-            torch.tensor([p.top_p for p in params], device=device),
-            torch.tensor([p.top_k for p in params], device=device),
-            torch.tensor([p.min_p for p in params], device=device),
+            torch.tensor([p.temperature for p in params]),
+            torch.tensor([p.top_p for p in params]),
+            torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.min_p for p in params]),
             self.generator,
         )
-        for seq, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
+        # one device-to-host transfer per step (token ids are exact in float64)
+        token_list, logprob_list = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        for seq, token, logprob in zip(batch, token_list, logprob_list, strict=True):
+            token = int(token)
             seq.output.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self.weight_version)
@@ -206,10 +217,21 @@ class Engine:
         self.finished += 1
         self.aborted += reason["type"] == "abort"
         if seq in self.running:
-            self.running.remove(seq)
+            self._vacate(seq)
         seq.slot = None
         if seq.on_finish is not None:
             seq.on_finish(seq)
+
+    def _vacate(self, seq: Sequence) -> None:
+        """Remove a running sequence; the last one moves into its slot, so slots stay 0..B-1 and a
+        decode step reads the cache as one slice (moving one slot's prefix is cheaper than
+        gathering every slot's cache at every step)."""
+        last = self.running.pop()
+        if last is not seq:
+            index = self.running.index(seq)
+            self.slots.move(last.slot, index, last.cached)
+            last.slot = index
+            self.running[index] = last
 
     # --- control (run on the engine thread through `call`) --------------------------------
 
@@ -264,6 +286,7 @@ class Engine:
         tags = set(tags or MEMORY_TAGS)
         if "weights" in tags and "weights" in self.released:
             self.model.to(self.slots.device)
+            self.slots.invalidate()
         if "kv_cache" in tags and "kv_cache" in self.released:
             self.slots.allocate()
         self.released -= tags
@@ -297,6 +320,9 @@ class Engine:
     def set_version(self, version: str) -> None:
         self.weight_version = version
 
+
+PREFILL_TOKENS = 8192
+"""Most padded tokens in one batched prefill forward (bounds its activation memory)."""
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 """SGLang's GPU memory types (`GPU_MEMORY_ALL_TYPES`); the embedded engine has no CUDA graphs to free."""
