@@ -26,6 +26,7 @@ from slime_async.engine.graphs import make_decoder
 from slime_async.engine.model import SlotModel
 from slime_async.engine.protocol import SamplingParams
 from slime_async.engine.sampling import sample
+from slime_async.engine.weights import copy_in_place
 
 
 @dataclass
@@ -70,6 +71,9 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.context_length = context_length or int(model.config.max_position_embeddings)
         self.slots = SlotModel(model, max_batch_size, self.context_length)
+        # tied weights answer to both names (lm_head.weight and model.embed_tokens.weight); the
+        # Parameter objects outlive device moves (release/resume), so the map is built once
+        self._params = dict(model.named_parameters(remove_duplicate=False))
         self.decoder = make_decoder(self.slots, cuda_graphs)
         """The decode step: eager on CPU, CUDA graphs per batch-size bucket on a GPU."""
         self.generator = torch.Generator(device=self.slots.device).manual_seed(seed)
@@ -297,22 +301,7 @@ class Engine:
 
         Every name and shape is checked before the first copy, so a bad update changes nothing.
         """
-        # tied weights answer to both names (lm_head.weight and model.embed_tokens.weight)
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        for name, tensor in tensors.items():
-            if name not in params:
-                raise ValueError(f"unknown weight name {name!r}")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(params[name].shape)}"
-                )
-            if not tensor.is_floating_point() and params[name].is_floating_point():
-                raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating point tensor")
-        with torch.no_grad():
-            # one fused multi-tensor copy: per-tensor copy_ calls cost a launch each (7x the copy
-            # bound for a 0.5B model on an H200)
-            names = list(tensors)
-            torch._foreach_copy_([params[n] for n in names], [tensors[n] for n in names])
+        copy_in_place(self._params, tensors)
         if version is not None:
             self.weight_version = version
         return len(tensors)
