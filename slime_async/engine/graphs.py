@@ -57,8 +57,8 @@ class GraphDecoder:
             raise ValueError(f"buckets {self.buckets} must reach max_slots={slots.max_slots}")
         self._capture = capture
         size = self.buckets[-1]
-        self.ids = torch.zeros(size, dtype=torch.long, device=slots.device)
-        self.positions = torch.zeros(size, dtype=torch.long, device=slots.device)
+        self.inputs = torch.zeros(2, size, dtype=torch.long, device=slots.device)
+        """Row 0: token ids, row 1: positions; one host-to-device copy per step fills both."""
         self._graphs: dict[int, tuple[Replay, torch.Tensor]] = {}
         self._generation = -1
         self.captures = 0
@@ -77,14 +77,12 @@ class GraphDecoder:
         b = self.bucket(n)
         pad = b - n
         # padded rows: token 0 at position 0 of the free slots n..b-1
-        host = torch.tensor([tokens + [0] * pad, positions + [0] * pad])
-        self.ids[:b].copy_(host[0])
-        self.positions[:b].copy_(host[1])
+        self.inputs[:, :b].copy_(torch.tensor([tokens + [0] * pad, positions + [0] * pad]))
         entry = self._graphs.get(b)
         if entry is None:
             # the inputs already hold this step: recording runs it once more on the same values,
             # so the cache rows it writes are the ones this step writes anyway
-            ids, pos, length = self.ids[:b], self.positions[:b], self.slots.capacity
+            ids, pos, length = self.inputs[0, :b], self.inputs[1, :b], self.slots.capacity
             entry = self._capture(lambda: self.slots.decode_static(ids, pos, length))
             self._graphs[b] = entry
             self.captures += 1
@@ -117,7 +115,9 @@ class CudaCapture:
             step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the HTTP thread beside the engine thread may touch CUDA (it must not
+        # invalidate this capture)
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = step()
         return graph.replay, out
 
