@@ -282,6 +282,7 @@ class Engine:
             self.slots.release()
         if "weights" in tags and "weights" not in self.released:
             self.model.to("cpu")  # parameters keep their identity: weight updates still find them
+        self.decoder.release()  # recorded graphs hold the old addresses and their own memory pool
         self.released |= tags & {"kv_cache", "weights"}
         _empty_device_cache(self.slots.device)
 
@@ -314,7 +315,8 @@ PREFILL_TOKENS = 8192
 """Most padded tokens in one batched prefill forward (bounds its activation memory)."""
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
-"""SGLang's GPU memory types (`GPU_MEMORY_ALL_TYPES`); the embedded engine has no CUDA graphs to free."""
+"""SGLang's GPU memory types (`GPU_MEMORY_ALL_TYPES`); the embedded engine's CUDA graphs are dropped
+by any release (they are recorded again at the next step)."""
 
 
 def _empty_device_cache(device: torch.device) -> None:

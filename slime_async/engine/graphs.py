@@ -29,6 +29,10 @@ class Decoder(Protocol):
         """Logits [B, vocab] for the sequences in slots 0..B-1: token i at positions[i]."""
         ...
 
+    def release(self) -> None:
+        """Free what the decoder holds beside the model and cache (recorded graphs)."""
+        ...
+
 
 class EagerDecoder:
     """Each step runs op by op with the batch's own shapes (attention up to the longest sequence)."""
@@ -38,6 +42,9 @@ class EagerDecoder:
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         return self.slots.decode(tokens, positions)
+
+    def release(self) -> None:
+        pass
 
 
 def default_buckets(max_slots: int) -> list[int]:
@@ -63,6 +70,9 @@ class GraphDecoder:
         self._generation = -1
         self.captures = 0
         """Graphs recorded so far (each bucket once per cache size)."""
+
+    def release(self) -> None:
+        self._graphs.clear()
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

@@ -98,6 +98,9 @@ def test_graph_decoder_pads_to_buckets_and_follows_the_cache(reference: torch.nn
     assert graph_slots.capacity == 16
     # bucket 4 and bucket 2 at capacity 8, bucket 2 again at 16
     assert graphs.captures == 3
+    graphs.release()  # e.g. release_memory_occupation: recorded again at the next step
+    graphs.decode(tokens, positions)
+    assert graphs.captures == 4
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
