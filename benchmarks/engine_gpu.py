@@ -14,4 +14,5 @@ def run(quick: bool = False) -> Result:
     if not torch.cuda.is_available():
         raise SystemExit("engine_gpu needs a CUDA GPU; on CPU run `slime-async bench engine`")
     concurrencies = (1, 32) if quick else (1, 8, 32, 64, 128)
-    return measure("0.5b", "cuda", "bfloat16", concurrencies, ("0.5b",), repeats=3 if quick else 7)
+    return measure("0.5b", "cuda", "bfloat16", concurrencies, ("0.5b",), repeats=3 if quick else 7,
+                   rounds=2 if quick else 3)

@@ -135,6 +135,8 @@ def serve(
     admin_token: Annotated[str | None, typer.Option(help="Required off loopback for weight/pause endpoints.")] = None,
     weight_version: Annotated[str, typer.Option(
         help="Version reported until the first weight update (a non-number: clients refuse its tokens).")] = "0",
+    cuda_graphs: Annotated[bool, typer.Option(
+        help="On a CUDA device, replay the decode step as CUDA graphs (one per batch-size bucket).")] = True,
 ) -> None:
     """Start the embedded inference engine (SGLang's HTTP API) on one model."""
     from slime_async.config.model_dir import resolve_model_path
@@ -151,7 +153,7 @@ def serve(
         fail(f"--dtype: got {dtype!r}; expected one of 'float32', 'bfloat16'")
     try:
         engine = load_engine(path, device=device, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
-                             context_length=context_length, weight_version=weight_version)
+                             context_length=context_length, weight_version=weight_version, cuda_graphs=cuda_graphs)
         serve_engine(engine, str(path), host=host, port=port, admin_token=admin_token)
     except (ValueError, OSError) as exc:
         fail(str(exc))

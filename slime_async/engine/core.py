@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
+from slime_async.engine.graphs import make_decoder
 from slime_async.engine.model import SlotModel
 from slime_async.engine.protocol import SamplingParams
 from slime_async.engine.sampling import sample
+from slime_async.engine.weights import copy_in_place
 
 
 @dataclass
@@ -62,12 +64,18 @@ class Engine:
         context_length: int | None = None,
         seed: int = 0,
         weight_version: str = "0",
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.context_length = context_length or int(model.config.max_position_embeddings)
         self.slots = SlotModel(model, max_batch_size, self.context_length)
+        # tied weights answer to both names (lm_head.weight and model.embed_tokens.weight); the
+        # Parameter objects outlive device moves (release/resume), so the map is built once
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self.decoder = make_decoder(self.slots, cuda_graphs)
+        """The decode step: eager on CPU, CUDA graphs per batch-size bucket on a GPU."""
         self.generator = torch.Generator(device=self.slots.device).manual_seed(seed)
         self.weight_version = weight_version
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) or model.config.eos_token_id
@@ -138,25 +146,29 @@ class Engine:
             if future is not None and loop is not None:
                 loop.call_soon_threadsafe(_resolve, future, result, error)
 
-    def _free_slot(self) -> int | None:
-        used = {s.slot for s in self.running}
-        return next((i for i in range(self.max_batch_size) if i not in used), None)
-
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch_size:
-            seq = self.waiting.popleft()
-            seq.slot = self._free_slot()
-            tokens = seq.prompt + seq.output  # after a retract, re-prefill what was generated
-            logits = self.slots.prefill(seq.slot, tokens)
-            seq.cached = len(tokens)
+        # slots stay compact: the running sequence i owns slot i (see `_vacate`)
+        room = self.max_batch_size - len(self.running)
+        if not self.waiting or room <= 0:
+            return
+        batch: list[Sequence] = []
+        while self.waiting and len(batch) < room:
+            seq = self.waiting[0]
+            length = seq.length  # after a retract, re-prefill what was generated too
+            # one forward pads every prompt to the longest: bound the padded size, not just the sum
+            if batch and (len(batch) + 1) * max(length, max(s.length for s in batch)) > PREFILL_TOKENS:
+                break
+            batch.append(self.waiting.popleft())
+        first = len(self.running)
+        logits = self.slots.prefill_batch(first, [s.prompt + s.output for s in batch])
+        for i, seq in enumerate(batch):
+            seq.slot, seq.cached = first + i, seq.length
             self.running.append(seq)
-            self._sample([seq], logits)
+        self._sample(batch, logits)
 
     def _decode(self) -> None:
-        batch = sorted(self.running, key=lambda s: s.slot)
-        logits = self.slots.decode(
-            [s.slot for s in batch], [s.output[-1] for s in batch], [s.length - 1 for s in batch]
-        )
+        batch = list(self.running)
+        logits = self.decoder.decode([s.output[-1] for s in batch], [s.length - 1 for s in batch])
         for s in batch:
             s.cached = s.length
         self.steps += 1
@@ -164,16 +176,19 @@ class Engine:
 
     def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> None:
         params = [s.params for s in batch]
-        device = logits.device
+        # per-row parameters stay on the CPU: `sample` reads its branch flags there (no device sync)
         tokens, logprobs = sample(
             logits,
-            torch.tensor([p.temperature for p in params], device=device),
-            torch.tensor([p.top_p for p in params], device=device),
-            torch.tensor([p.top_k for p in params], device=device),
-            torch.tensor([p.min_p for p in params], device=device),
+            torch.tensor([p.temperature for p in params]),
+            torch.tensor([p.top_p for p in params]),
+            torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.min_p for p in params]),
             self.generator,
         )
-        for seq, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
+        # one device-to-host transfer per step (token ids are exact in float64)
+        token_list, logprob_list = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        for seq, token, logprob in zip(batch, token_list, logprob_list, strict=True):
+            token = int(token)
             seq.output.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self.weight_version)
@@ -206,10 +221,21 @@ class Engine:
         self.finished += 1
         self.aborted += reason["type"] == "abort"
         if seq in self.running:
-            self.running.remove(seq)
+            self._vacate(seq)
         seq.slot = None
         if seq.on_finish is not None:
             seq.on_finish(seq)
+
+    def _vacate(self, seq: Sequence) -> None:
+        """Remove a running sequence; the last one moves into its slot, so slots stay 0..B-1 and a
+        decode step reads the cache as one slice (moving one slot's prefix is cheaper than
+        gathering every slot's cache at every step)."""
+        last = self.running.pop()
+        if last is not seq:
+            index = self.running.index(seq)
+            self.slots.move(last.slot, index, last.cached)
+            last.slot = index
+            self.running[index] = last
 
     # --- control (run on the engine thread through `call`) --------------------------------
 
@@ -256,6 +282,7 @@ class Engine:
             self.slots.release()
         if "weights" in tags and "weights" not in self.released:
             self.model.to("cpu")  # parameters keep their identity: weight updates still find them
+        self.decoder.release()  # recorded graphs hold the old addresses and their own memory pool
         self.released |= tags & {"kv_cache", "weights"}
         _empty_device_cache(self.slots.device)
 
@@ -264,6 +291,7 @@ class Engine:
         tags = set(tags or MEMORY_TAGS)
         if "weights" in tags and "weights" in self.released:
             self.model.to(self.slots.device)
+            self.slots.invalidate()
         if "kv_cache" in tags and "kv_cache" in self.released:
             self.slots.allocate()
         self.released -= tags
@@ -274,25 +302,10 @@ class Engine:
 
         Every name and shape is checked before the first copy, so a bad update changes nothing.
         """
-        # tied weights answer to both names (lm_head.weight and model.embed_tokens.weight)
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        for name, tensor in tensors.items():
-            if name not in params:
-                raise ValueError(f"unknown weight name {name!r}")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(params[name].shape)}"
-                )
-            if not tensor.is_floating_point() and params[name].is_floating_point():
-                raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating point tensor")
-        with torch.no_grad():
-            # one fused multi-tensor copy: per-tensor copy_ calls cost a launch each (7x the copy
-            # bound for a 0.5B model on an H200)
-            names = list(tensors)
-            torch._foreach_copy_([params[n] for n in names], [tensors[n] for n in names])
-            if any(t.is_cuda for t in tensors.values()):
-                # the sender may reuse shared (CUDA IPC) memory as soon as we answer: finish reading it
-                torch.cuda.synchronize()
+        copy_in_place(self._params, tensors)
+        if any(t.is_cuda for t in tensors.values()):
+            # the sender may reuse shared (CUDA IPC) memory as soon as we answer: finish reading it
+            torch.cuda.synchronize()
         if version is not None:
             self.weight_version = version
         return len(tensors)
@@ -301,8 +314,12 @@ class Engine:
         self.weight_version = version
 
 
+PREFILL_TOKENS = 8192
+"""Most padded tokens in one batched prefill forward (bounds its activation memory)."""
+
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
-"""SGLang's GPU memory types (`GPU_MEMORY_ALL_TYPES`); the embedded engine has no CUDA graphs to free."""
+"""SGLang's GPU memory types (`GPU_MEMORY_ALL_TYPES`); the embedded engine's CUDA graphs are dropped
+by any release (they are recorded again at the next step)."""
 
 
 def _empty_device_cache(device: torch.device) -> None:

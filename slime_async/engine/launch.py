@@ -16,7 +16,8 @@ from slime_async.engine.server import EngineServer
 
 
 def load_engine(model_path: str | Path, device: str = "auto", dtype: str = "float32", max_batch_size: int = 32,
-                seed: int = 0, context_length: int | None = None, weight_version: str = "0") -> Engine:
+                seed: int = 0, context_length: int | None = None, weight_version: str = "0",
+                cuda_graphs: bool = True) -> Engine:
     """Load tokenizer and model with transformers and wrap them in an `Engine`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -27,7 +28,7 @@ def load_engine(model_path: str | Path, device: str = "auto", dtype: str = "floa
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype)).to(device)
     return Engine(model, tokenizer, max_batch_size=max_batch_size, seed=seed, context_length=context_length,
-                  weight_version=weight_version)
+                  weight_version=weight_version, cuda_graphs=cuda_graphs)
 
 
 def serve(engine: Engine, model_path: str, host: str = "127.0.0.1", port: int = 30000,

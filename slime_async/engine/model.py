@@ -1,23 +1,62 @@
 """A decoder-only HF model run step by step with one KV cache slot per sequence.
 
 HF's `generate` runs a fixed batch to the end; continuous batching needs sequences of different
-lengths to join and leave between decode steps. This module keeps the HF model's own modules
-(embeddings, norms, MLPs, rotary embedding, projections: so weight updates by HF name apply
-directly) and replaces only the attention's cache handling: each sequence owns a slot of a
-preallocated cache, and one decode step attends every active slot up to its own length.
-Supports the Llama family layout (Llama, Qwen2 with QKV bias, Qwen3 with QK-norm).
+lengths to join and leave between decode steps. This module keeps the HF model's parameters (so
+weight updates by HF name apply directly, in place) but runs its own compact forward over them:
+RMSNorm, RoPE from a precomputed cos/sin table, SDPA over a preallocated cache, the MLP; no HF
+module calls, no per-step cache allocation. Supports the Llama family layout (Llama, Qwen2 with
+QKV bias, Qwen3 with QK-norm).
+
+Slots are kept compact by the engine: a batch of B sequences occupies slots 0..B-1 (`move`
+fills a hole when a sequence leaves), so a decode step reads the cache as one contiguous slice
+instead of gathering rows. `decode_static` is the same step with fixed shapes (padded batch,
+attention over the whole cache capacity): what a CUDA graph captures (see `graphs.py`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's parameters (the HF Parameter objects themselves: in-place updates and
+    device moves keep them valid)."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    return linear.bias if getattr(linear, "bias", None) is not None else None
+
+
+def _layer(layer: nn.Module) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    return _Layer(
+        ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+        q=attn.q_proj.weight, k=attn.k_proj.weight, v=attn.v_proj.weight, o=attn.o_proj.weight,
+        q_bias=_bias(attn.q_proj), k_bias=_bias(attn.k_proj), v_bias=_bias(attn.v_proj),
+        q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
+        k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
+        gate=mlp.gate_proj.weight, up=mlp.up_proj.weight, down=mlp.down_proj.weight,
+    )
 
 
 class SlotModel:
@@ -26,17 +65,39 @@ class SlotModel:
     def __init__(self, model: nn.Module, max_slots: int, max_len: int, initial_len: int = 256) -> None:
         self.model = model
         inner = model.model
-        self.layers = list(inner.layers)
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = float(cfg.rms_norm_eps)
+        self.act = inner.layers[0].mlp.act_fn
+        self.layers = [_layer(layer) for layer in inner.layers]
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
         self.max_slots = max_slots
         self.max_len = max_len
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self._initial_len = initial_len
+        self._rope_table()
+        self.generation = 0
+        """Bumped whenever the cache tensors are replaced: captured graphs hold their addresses."""
         self.allocate()
+
+    @torch.inference_mode()
+    def _rope_table(self) -> None:
+        # HF's own rotary module over every position once: the same values (an outer product, no
+        # reduction), and no per-step matmul/cat/cos/sin
+        rotary = self.model.model.rotary_emb
+        dummy = torch.zeros(1, device=self.device, dtype=self.dtype)
+        positions = torch.arange(self.max_len, device=self.device)[None]
+        cos, sin = rotary(dummy, positions)
+        self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim]
+
+    def invalidate(self) -> None:
+        """Parameters moved to new memory (released and resumed): graphs captured before are stale."""
+        self.generation += 1
 
     def allocate(self) -> None:
         """(Re)create an empty cache at its initial size; every slot's contents are gone."""
@@ -44,13 +105,20 @@ class SlotModel:
         shape = (self.max_slots, self.num_kv_heads, self._cap, self.head_dim)
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
         self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.layers]
+        self.generation += 1
 
     def release(self) -> None:
         """Drop the cache tensors (their memory goes back to the allocator); `allocate` before use."""
         self.k, self.v = [], []
         self._cap = 0
+        self.generation += 1
 
-    def _ensure_capacity(self, length: int) -> None:
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    def ensure_capacity(self, length: int) -> None:
+        """Grow the cache (doubling, up to the context) so that `length` positions fit."""
         if length <= self._cap:
             return
         if length > self.max_len:
@@ -60,6 +128,14 @@ class SlotModel:
         self.k = [F.pad(k, (0, 0, 0, pad)) for k in self.k]
         self.v = [F.pad(v, (0, 0, 0, pad)) for v in self.v]
         self._cap = new_cap
+        self.generation += 1
+
+    @torch.inference_mode()
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` cached positions of slot `src` into slot `dst` (compaction)."""
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
 
     @torch.inference_mode()
     def prefill(self, slot: int, input_ids: list[int], start: int = 0, all_logits: bool = False) -> torch.Tensor:
@@ -69,61 +145,87 @@ class SlotModel:
         `all_logits` (the LM head over a long prompt costs as much as the layers for real vocabularies).
         """
         n = len(input_ids)
-        self._ensure_capacity(start + n)
+        self.ensure_capacity(start + n)
         ids = torch.tensor([input_ids], device=self.device)
         positions = torch.arange(start, start + n, device=self.device)
         # query i (position start+i) sees cache positions 0..start+i
         mask = torch.arange(start + n, device=self.device)[None, :] <= positions[:, None]
-        slots = torch.tensor([slot], device=self.device)
-        return self._forward(ids, positions[None, :], slots, mask[None, None], start + n, all_logits)[0]
+        last = None if all_logits else torch.tensor([n - 1], device=self.device)
+        logits = self._forward(ids, positions[None, :], slot, mask[None, None], start + n, last)
+        return logits if last is not None else logits[0]
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One step for several sequences: token i sits at positions[i] of slots[i]. Logits [B, vocab]."""
-        self._ensure_capacity(max(positions) + 1)
+    def prefill_batch(self, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill prompts of any lengths into slots first_slot.. in one forward (one call of each
+        op for the lot instead of one per prompt). Logits of each prompt's last token [n, vocab].
+
+        Shorter prompts are padded at the end: their padding writes the cache past the prompt,
+        where nothing reads before the sequence's own tokens overwrite it.
+        """
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        self.ensure_capacity(width)
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
+        positions = torch.arange(width, device=self.device)
+        mask = positions[None, :] <= positions[:, None]  # causal: real queries never see padding
+        last = torch.tensor(lengths, device=self.device) - 1
+        rows = positions[None, :].expand(len(prompts), width)
+        return self._forward(ids, rows, first_slot, mask[None, None], width, last)
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One step for the sequences in slots 0..B-1: token i sits at positions[i]. Logits [B, vocab]."""
+        total = max(positions) + 1
+        self.ensure_capacity(total)
+        ids = torch.tensor(tokens, device=self.device)
         pos = torch.tensor(positions, device=self.device)
-        total = int(pos.max()) + 1
-        mask = torch.arange(total, device=self.device)[None, :] <= pos[:, None]
-        ids = torch.tensor(tokens, device=self.device)[:, None]
-        slot_t = torch.tensor(slots, device=self.device)
-        return self._forward(ids, pos[:, None], slot_t, mask[:, None, None, :], total)[:, -1]
+        return self.decode_static(ids, pos, total)
+
+    @torch.inference_mode()
+    def decode_static(self, ids: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """The decode step over tensors only (no host sync, no allocation that depends on values):
+        rows 0..B-1 of `ids`/`positions` [B] are slots 0..B-1, attending cache positions < `length`.
+        Logits [B, vocab] in float32."""
+        mask = torch.arange(length, device=ids.device)[None, :] <= positions[:, None]
+        return self._forward(ids[:, None], positions[:, None], 0, mask[:, None, None, :], length, None)[:, 0]
 
     def _forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, total: int,
-        all_logits: bool = False,
+        self, ids: torch.Tensor, positions: torch.Tensor, first_slot: int, mask: torch.Tensor, total: int,
+        last: torch.Tensor | None,
     ) -> torch.Tensor:
-        inner = self.model.model
-        x = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(x, positions)
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        """ids and positions [B, S] for slots first_slot.., mask [B, 1, S, total]. Logits [B, S, vocab],
+        or [B, vocab] at the index `last` [B] of each row (the LM head only where it is needed)."""
         b, s = ids.shape
-        contiguous = bool(slots.numel() and int(slots[-1]) - int(slots[0]) + 1 == slots.numel()
-                          and bool((slots.diff() == 1).all()))
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(b, s, self.num_heads, self.head_dim)
-            k = attn.k_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotary embedding
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            # write this step's keys and values at their positions, then read each slot's prefix
-            rows = slots[:, None].expand(b, s)
-            self.k[li][rows, :, positions] = k.transpose(1, 2)
-            self.v[li][rows, :, positions] = v.transpose(1, 2)
-            if contiguous:
-                first = int(slots[0])
-                keys = self.k[li][first : first + b, :, :total]
-                values = self.v[li][first : first + b, :, :total]
-            else:
-                keys = self.k[li].index_select(0, slots)[:, :, :total]
-                values = self.v[li].index_select(0, slots)[:, :, :total]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.embedding(ids, self.embed)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, S, hd]
+        rows = torch.arange(first_slot, first_slot + b, device=ids.device)[:, None]
+        for layer, k_cache, v_cache in zip(self.layers, self.k, self.v, strict=True):
+            h = F.rms_norm(x, (x.shape[-1],), layer.ln1, self.eps)
+            q = F.linear(h, layer.q, layer.q_bias).view(b, s, nh, hd)
+            k = F.linear(h, layer.k, layer.k_bias).view(b, s, nkv, hd)
+            v = F.linear(h, layer.v, layer.v_bias).view(b, s, nkv, hd)
+            if layer.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotary embedding
+                q = F.rms_norm(q, (hd,), layer.q_norm, self.eps)
+                k = F.rms_norm(k, (hd,), layer.k_norm, self.eps)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q = _rope(q, cos, sin)
+            k = _rope(k, cos, sin)
+            # write this step's keys and values at their positions, then attend the slots' prefixes
+            k_cache[rows, :, positions] = k.transpose(1, 2)
+            v_cache[rows, :, positions] = v
+            keys = k_cache[first_slot : first_slot + b, :, :total]
+            values = v_cache[first_slot : first_slot + b, :, :total]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if not all_logits:
-            x = x[:, -1:]
-        return self.model.lm_head(inner.norm(x)).float()
+            x = x + F.linear(out.transpose(1, 2).reshape(b, s, nh * hd), layer.o)
+            h = F.rms_norm(x, (x.shape[-1],), layer.ln2, self.eps)
+            x = x + F.linear(self.act(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down)
+        if last is not None:
+            x = x[torch.arange(b, device=x.device), last]
+        return F.linear(F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps), self.lm_head).float()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,5 +1,5 @@
-"""Weights as they travel to the engine: safetensors bytes in base64 (HTTP), SGLang's pickled tensor
-handles (`shared_tensors`), or files on disk."""
+"""Weights as they travel to the engine (safetensors bytes in base64 over HTTP, SGLang's pickled
+tensor handles from `shared_tensors`, or files on disk), and their copy into the served model."""
 
 from __future__ import annotations
 
@@ -66,3 +66,42 @@ def read_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
         except Exception as exc:
             raise ValueError(f"model_path: cannot read {f}: {exc}") from None
     return tensors
+
+
+SMALL_COPY_ELEMENTS = 1 << 20
+"""Tensors below this many elements are copied on one CPU thread (see `copy_in_place`)."""
+
+
+def copy_in_place(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` into the same-named `params`, all or nothing: every name, shape and dtype
+    kind is checked before the first copy, so a bad update changes nothing (ValueError)."""
+    for name, tensor in tensors.items():
+        if name not in params:
+            raise ValueError(f"unknown weight name {name!r}")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(params[name].shape)}"
+            )
+        if not tensor.is_floating_point() and params[name].is_floating_point():
+            raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating point tensor")
+    names = list(tensors)
+    with torch.no_grad():
+        if not names or params[names[0]].device.type != "cpu":
+            # one fused multi-tensor copy: per-tensor copy_ calls cost a launch each (7x the copy
+            # bound for a 0.5B model on an H200)
+            torch._foreach_copy_([params[n] for n in names], [tensors[n] for n in names])
+            return
+        # on a CPU, each copy above ~32k elements is an OpenMP region; for tensors of a few MB
+        # waking and joining the other threads costs more than it saves (the tiny model's update
+        # took 1.75 ms with 2 threads and 0.91 ms with one on the 2-core machine), so small tensors
+        # are copied on this thread alone and only large ones in parallel
+        small = [n for n in names if tensors[n].numel() < SMALL_COPY_ELEMENTS]
+        large = [n for n in names if tensors[n].numel() >= SMALL_COPY_ELEMENTS]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            torch._foreach_copy_([params[n] for n in small], [tensors[n] for n in small])
+        finally:
+            torch.set_num_threads(threads)
+        if large:
+            torch._foreach_copy_([params[n] for n in large], [tensors[n] for n in large])
