@@ -348,7 +348,10 @@ class _Episode:
 
     async def _measure(self, spec: RewardSpec, available: dict[str, Any]) -> float:
         try:
-            value = await asyncio.wait_for(spec.call(self.env, available), self.limits.reward_timeout_s)
+            if spec.inline:  # no task for a timeout that cannot fire: it runs to the end on the loop
+                value = await spec.call(self.env, available)
+            else:
+                value = await asyncio.wait_for(spec.call(self.env, available), self.limits.reward_timeout_s)
             return float(value)
         except Exception as exc:  # raised or timed out; CancelledError still propagates
             self.counts["reward_errors"] += 1

@@ -389,6 +389,42 @@ async def test_failing_rewards_score_on_error_and_are_counted(tokenizer: Any) ->
     assert env.events == ["setup", "teardown"]
 
 
+class WhereRewardsRun(ToyEnv):
+    @reward(inline=True)
+    def on_loop(self) -> float:
+        self.events.append(f"inline:{threading.get_ident() == LOOP_THREAD[0]}")
+        return 1.0
+
+    @reward(inline=True, on_error=-2.0)
+    def inline_crash(self) -> float:
+        raise ValueError("bad")
+
+    @metric
+    def in_thread(self) -> float:
+        self.events.append(f"threaded:{threading.get_ident() == LOOP_THREAD[0]}")
+        return 1.0
+
+
+LOOP_THREAD: list[int] = []
+
+
+async def test_inline_rewards_run_on_the_loop_and_others_in_a_thread(tokenizer: Any) -> None:
+    LOOP_THREAD[:] = [threading.get_ident()]
+    traj, env, _ = await play(tokenizer, ["5"], env=WhereRewardsRun())
+    assert "inline:True" in env.events and "threaded:False" in env.events
+    assert traj.rewards["on_loop"] == 1.0 and traj.rewards["inline_crash"] == -2.0  # a raise still scores on_error
+    assert traj.metrics["reward_errors/inline_crash"] == 1
+
+
+def test_inline_is_refused_for_async_rewards() -> None:
+    with pytest.raises(TypeError, match="inline=True is for sync functions"):
+
+        class Bad(Env):
+            @reward(inline=True)
+            async def r(self) -> float:
+                return 0.0
+
+
 def test_reward_arguments_are_checked_at_class_definition() -> None:
     with pytest.raises(TypeError, match=r"unknown argument\(s\) \['reply'\]"):
 
