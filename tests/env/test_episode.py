@@ -287,6 +287,26 @@ async def test_stop_event_aborts_with_a_trajectory(tokenizer: Any) -> None:
     assert env.events == ["setup", "teardown"]
 
 
+async def test_one_stop_event_serves_many_episodes_and_a_reuse(tokenizer: Any) -> None:
+    """Episodes share one waiter per stop event: one that ends normally must not take it away from
+    (or abort) another still waiting for its model, and an event cleared after a stop works again.
+    (The 10 s guard only turns a hang into a failure.)"""
+    stop = asyncio.Event()
+    for _ in range(2):
+        env, policy = ToyEnv(), HangingPolicy()
+        waiting = asyncio.ensure_future(run_episode(env, TASK, policy, tokenizer, stop=stop))
+        await policy.entered.wait()
+        done, _, _ = await play(tokenizer, ["5"], stop=stop)  # ends normally meanwhile
+        assert done.stop_reason is StopReason.DONE
+        for _ in range(5):
+            await asyncio.sleep(0)  # let a wrongly woken episode run to its end
+        assert not waiting.done()
+        stop.set()
+        traj = await asyncio.wait_for(waiting, 10)
+        assert traj.stop_reason is StopReason.ABORTED
+        stop.clear()
+
+
 class FailingSetup(ToyEnv):
     async def setup(self, task: Task) -> None:
         self.events.append("setup")
