@@ -108,13 +108,14 @@ class CalculatorEnv(Env):
         except ExpressionError as exc:
             raise ToolError(str(exc)) from None
 
-    @reward
+    # Inline: a regex over the final reply takes microseconds, less than a thread hop.
+    @reward(inline=True)
     def correct(self, completion: str, answer: Any) -> float:
         """1 when the last number of the final reply is the answer."""
         value = final_number(completion)
         return float(value is not None and value == answer)
 
-    @metric
+    @metric(inline=True)
     def answered(self, completion: str) -> float:
         return float(final_number(completion) is not None)
 

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import time
+import weakref
 from typing import Any
 
 import msgspec
@@ -28,6 +29,7 @@ from slime_async.env.rewards import RewardSpec
 from slime_async.env.tools import ToolArgumentError, ToolError
 from slime_async.env.verify import VerifierPool
 from slime_async.types import Message, StopReason, Task, ToolCall, Trajectory, Turn
+from slime_async.types.arrays import TOKEN_DTYPE
 
 # Counters every trajectory carries in `metrics` (0 when nothing happened), so that sums over a
 # run are meaningful without knowing which episodes hit what.
@@ -36,6 +38,18 @@ COUNTERS = (
     "tool_outputs_truncated", "parse_errors", "reward_errors", "teardown_errors", "new_branches",
     "completion_tokens", "total_tokens",
 )  # fmt: skip
+
+
+_STOP_WAITERS: weakref.WeakKeyDictionary[asyncio.Event, asyncio.Future[Any]] = weakref.WeakKeyDictionary()
+"""One waiter per stop event, shared by every episode watching it: a waiter task per model call
+cost each turn a task's creation and cancellation (about a tenth of a turn's CPU)."""
+
+
+def _stop_waiter(stop: asyncio.Event) -> asyncio.Future[Any]:
+    waiter = _STOP_WAITERS.get(stop)
+    if waiter is None or waiter.cancelled() or (waiter.done() and not stop.is_set()):  # new, or a cleared event
+        waiter = _STOP_WAITERS[stop] = asyncio.ensure_future(stop.wait())
+    return waiter
 
 
 class _Stop(Exception):
@@ -187,9 +201,12 @@ class _Episode:
         if left < sampling.max_new_tokens:
             sampling = msgspec.structs.replace(sampling, max_new_tokens=left)
         gen = await self._generate(sampling)
-        completion = [int(i) for i in gen.completion_ids]
+        ids = gen.completion_ids
+        completion = ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
         turn = Turn(
-            prompt_ids=self.pending, completion_ids=completion, logprobs=gen.logprobs,
+            prompt_ids=np.array(self.pending, TOKEN_DTYPE),
+            completion_ids=ids if isinstance(ids, np.ndarray) and ids.dtype == TOKEN_DTYPE else completion,
+            logprobs=gen.logprobs,
             versions=gen.versions, finish_reason=gen.finish_reason, new_branch=self.branch,
         )  # fmt: skip
         self.turns.append(turn)
@@ -235,18 +252,16 @@ class _Episode:
     async def _generate(self, sampling: Sampling) -> Generation:
         assert self.renderer is not None
         t = time.monotonic()
-        call = asyncio.ensure_future(self.policy.generate(np.asarray(self.renderer.ids, dtype=np.int64), sampling))
+        call = asyncio.ensure_future(self.policy.generate(np.array(self.renderer.ids, dtype=np.int64), sampling))
         waiters: set[asyncio.Future[Any]] = {call}
-        stopper = asyncio.ensure_future(self.stop.wait()) if self.stop is not None else None
-        if stopper is not None:
-            waiters.add(stopper)
+        if self.stop is not None:
+            waiters.add(_stop_waiter(self.stop))  # shared: never cancelled here
         try:
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.timings["generate"] += time.monotonic() - t
-            for f in waiters:
-                if not f.done():
-                    f.cancel()
+            if not call.done():
+                call.cancel()
         if not call.done() or call.cancelled():
             with contextlib.suppress(asyncio.CancelledError):
                 await call
@@ -286,6 +301,8 @@ class _Episode:
             return Message(role="tool", content=content, tool_call_id=call.id, name=call.name)
 
         try:
+            if len(calls) == 1:  # the common case: no gather task
+                return [await one(calls[0])]
             return list(await asyncio.gather(*(one(c) for c in calls)))
         finally:
             self.timings["tools"] += time.monotonic() - t
@@ -348,7 +365,10 @@ class _Episode:
 
     async def _measure(self, spec: RewardSpec, available: dict[str, Any]) -> float:
         try:
-            value = await asyncio.wait_for(spec.call(self.env, available), self.limits.reward_timeout_s)
+            if spec.inline:  # no task for a timeout that cannot fire: it runs to the end on the loop
+                value = await spec.call(self.env, available)
+            else:
+                value = await asyncio.wait_for(spec.call(self.env, available), self.limits.reward_timeout_s)
             return float(value)
         except Exception as exc:  # raised or timed out; CancelledError still propagates
             self.counts["reward_errors"] += 1
@@ -358,6 +378,8 @@ class _Episode:
             return spec.on_error
 
     async def teardown(self) -> None:
+        if type(self.env).teardown is Env.teardown:
+            return  # the base class's does nothing: no task to shield it
         # Shielded: a second cancellation while tearing down must not leak the env's resources.
         task = asyncio.ensure_future(asyncio.wait_for(self.env.teardown(), self.limits.teardown_timeout_s))
         try:

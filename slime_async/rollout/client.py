@@ -8,12 +8,18 @@ tokens; a request that the caller cancels, or that times out, is aborted on the 
 does not keep decoding. A request the server aborts by itself (a weight update in abort mode) is
 resumed by resending prompt + partial output, so the episode keeps every token with its version.
 Behind `sglang-router`, give the router's URL as the only server.
+
+The request path is the rollout side's hottest code (one call per turn): bodies are encoded and
+answers decoded by msgspec into typed structs (no dict-of-lists walk), per-token arrays are
+built straight from the decoded answer, and request ids are a per-client random prefix plus a
+counter (unique without a `uuid4` syscall per request).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -22,11 +28,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 
 from slime_async.types.arrays import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE
 
 log = logging.getLogger(__name__)
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+class _Span(msgspec.Struct):
+    """SGLang's per-token version span (`sglang/srt/utils/weight_versions.py`)."""
+
+    version: str | int
+    start: int
+    end: int
+
+
+class _Meta(msgspec.Struct):
+    output_token_logprobs: list[tuple[float, int, Any]]
+    """[logprob, token id, text or null] per output token (SGLang's `return_logprob`)."""
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str | int | None = None
+    weight_versions: list[_Span] | None = None
+
+
+class _Answer(msgspec.Struct):
+    """The fields of a `/generate` answer the client uses; the rest are skipped by the decoder."""
+
+    output_ids: list[int]
+    meta_info: _Meta
+
+
+_DECODER = msgspec.json.Decoder(_Answer)
+_ENCODER = msgspec.json.Encoder()
+_EMPTY_IDS = np.zeros(0, TOKEN_DTYPE)
 
 
 class ServerError(RuntimeError):
@@ -103,6 +141,9 @@ class SGLangClient:
         self.latest_version = -1
         """Highest weight version any server reported (the weight-sync protocol's stamp)."""
         self.stats = ClientStats()
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout)
+        self._rid_prefix = uuid.uuid4().hex[:16] + "-"
+        self._rid_count = itertools.count()
         self._sticky: dict[str, str] = {}
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
@@ -145,35 +186,32 @@ class SGLangClient:
         self, input_ids: list[int] | np.ndarray, sampling_params: dict[str, Any], *, episode: str | None = None
     ) -> Generation:
         """One model call. Raises ServerError when every retry on every server failed."""
-        prompt = [int(t) for t in input_ids]
+        prompt = input_ids.tolist() if isinstance(input_ids, np.ndarray) else [int(t) for t in input_ids]
         budget = int(sampling_params.get("max_new_tokens", 128))
-        out_ids: list[int] = []
-        out_lps: list[float] = []
-        out_versions: list[int] = []
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        done = 0
         resumed = 0
         while True:
-            params = {**sampling_params, "max_new_tokens": budget - len(out_ids)}
-            answer, server = await self._generate_once(prompt + out_ids, params, episode)
+            params = {**sampling_params, "max_new_tokens": budget - done}
+            answer, server = await self._generate_once(prompt, params, episode)
             ids, lps, versions, finish = answer
-            out_ids += ids
-            out_lps += lps
-            out_versions += versions
+            parts.append((ids, lps, versions))
+            done += len(ids)
             # The server aborted it by itself (a weight update in abort mode): resume with the partial
             # output under the new weights, unless nothing is left to generate.
-            if finish == "abort" and len(out_ids) < budget and resumed < self.max_resumes:
+            if finish == "abort" and done < budget and resumed < self.max_resumes:
                 resumed += 1
                 self.stats.resumes += 1
+                prompt = prompt + ids.tolist()
                 continue
-            return Generation(
-                np.asarray(out_ids, TOKEN_DTYPE), np.asarray(out_lps, LOGPROB_DTYPE),
-                np.asarray(out_versions, VERSION_DTYPE), finish, server, resumed,
-            )
+            if len(parts) > 1:
+                ids, lps, versions = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
+            return Generation(ids, lps, versions, finish, server, resumed)
 
     async def _generate_once(
         self, input_ids: list[int], sampling_params: dict[str, Any], episode: str | None
-    ) -> tuple[tuple[list[int], list[float], list[int], str], str]:
+    ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, str], str]:
         assert self._session is not None, "call start() (or use `async with`) first"
-        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
         delay = self.backoff
         last_error = "no healthy server"
         tried: set[str] = set()
@@ -184,24 +222,21 @@ class SGLangClient:
                 delay = min(delay * 2, self.max_backoff)
                 tried.clear()
                 continue
-            rid = uuid.uuid4().hex
+            rid = f"{self._rid_prefix}{next(self._rid_count)}"
+            body = _ENCODER.encode({"input_ids": input_ids, "sampling_params": sampling_params,
+                                    "return_logprob": True, "rid": rid})
             server.outstanding += 1
             start = time.monotonic()
             try:
                 self.stats.requests += 1
-                async with self._session.post(
-                    server.url + "/generate", json={**body, "rid": rid},
-                    timeout=aiohttp.ClientTimeout(total=self.request_timeout),
-                ) as resp:
+                async with self._session.post(server.url + "/generate", data=body, headers=_JSON,
+                                              timeout=self._timeout) as resp:
                     if resp.status >= 500:
                         raise BadResponse(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                     if resp.status >= 400:  # our request is wrong: retrying elsewhere will not help
                         raise ValueError(f"{server.url}/generate refused the request: {(await resp.text())[:500]}")
-                    try:
-                        data = await resp.json(content_type=None)
-                    except ValueError as exc:
-                        raise BadResponse(f"not JSON ({exc})") from None
-                answer = self._parse(data)
+                    raw = await resp.read()
+                answer = self._parse(raw)
                 server.failures = 0
                 server.latencies.append(time.monotonic() - start)
                 if len(server.latencies) > 1000:
@@ -229,29 +264,38 @@ class SGLangClient:
                 server.outstanding -= 1
         raise ServerError(f"/generate failed after {self.retries + 1} attempts; last: {last_error}")
 
-    def _parse(self, data: Any) -> tuple[list[int], list[float], list[int], str]:
+    def _parse(self, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
         try:
-            ids = list(data["output_ids"])
-            meta = data["meta_info"]
-            lps = [float(t[0]) for t in meta["output_token_logprobs"]]
-            finish = (meta.get("finish_reason") or {}).get("type", "")
-            spans = meta.get("weight_versions") or [
-                {"version": meta["weight_version"], "start": 0, "end": len(ids)}]
-            versions = [0] * len(ids)
-            for span in spans:
-                if not str(span["version"]).lstrip("-").isdigit():
-                    # a replacement engine reports a non-number (`pending`) until the trainer's push
-                    # brings it to the current version: its tokens are not used
-                    raise BadResponse(f"weight version {span['version']!r} is not a number (the server was not "
-                                      "brought up to date yet)")
-                v = int(span["version"])
-                versions[span["start"]:span["end"]] = [v] * (span["end"] - span["start"])
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise BadResponse(f"malformed /generate response ({type(exc).__name__}: {exc})") from None
-        if len(lps) != len(ids) or len(versions) != len(ids):
-            raise BadResponse(f"{len(ids)} output tokens but {len(lps)} logprobs and {len(versions)} versions")
-        if ids:
-            self._saw_version(max(versions))
+            data = _DECODER.decode(raw)
+        except msgspec.ValidationError as exc:
+            raise BadResponse(f"malformed /generate response ({exc})") from None
+        except msgspec.DecodeError as exc:
+            raise BadResponse(f"not JSON ({exc})") from None
+        meta = data.meta_info
+        n = len(data.output_ids)
+        if len(meta.output_token_logprobs) != n:
+            raise BadResponse(f"{n} output tokens but {len(meta.output_token_logprobs)} logprobs")
+        try:
+            ids = np.array(data.output_ids, TOKEN_DTYPE) if n else _EMPTY_IDS
+        except OverflowError:
+            raise BadResponse("output_ids: a token id outside int32") from None
+        lps = np.fromiter((t[0] for t in meta.output_token_logprobs), LOGPROB_DTYPE, n)
+        finish = str((meta.finish_reason or {}).get("type", ""))
+        spans = meta.weight_versions
+        if spans is None:
+            if meta.weight_version is None:
+                raise BadResponse("malformed /generate response (no weight_version nor weight_versions)")
+            spans = [_Span(meta.weight_version, 0, n)]
+        versions = np.zeros(n, VERSION_DTYPE)
+        for span in spans:
+            if not str(span.version).lstrip("-").isdigit():
+                # a replacement engine reports a non-number (`pending`) until the trainer's push
+                # brings it to the current version: its tokens are not used
+                raise BadResponse(f"weight version {span.version!r} is not a number (the server was not "
+                                  "brought up to date yet)")
+            versions[span.start:span.end] = int(span.version)
+        if n:
+            self._saw_version(int(versions.max()))
         return ids, lps, versions, finish
 
     def _saw_version(self, version: int) -> None:

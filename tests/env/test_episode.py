@@ -287,6 +287,26 @@ async def test_stop_event_aborts_with_a_trajectory(tokenizer: Any) -> None:
     assert env.events == ["setup", "teardown"]
 
 
+async def test_one_stop_event_serves_many_episodes_and_a_reuse(tokenizer: Any) -> None:
+    """Episodes share one waiter per stop event: one that ends normally must not take it away from
+    (or abort) another still waiting for its model, and an event cleared after a stop works again.
+    (The 10 s guard only turns a hang into a failure.)"""
+    stop = asyncio.Event()
+    for _ in range(2):
+        env, policy = ToyEnv(), HangingPolicy()
+        waiting = asyncio.ensure_future(run_episode(env, TASK, policy, tokenizer, stop=stop))
+        await policy.entered.wait()
+        done, _, _ = await play(tokenizer, ["5"], stop=stop)  # ends normally meanwhile
+        assert done.stop_reason is StopReason.DONE
+        for _ in range(5):
+            await asyncio.sleep(0)  # let a wrongly woken episode run to its end
+        assert not waiting.done()
+        stop.set()
+        traj = await asyncio.wait_for(waiting, 10)
+        assert traj.stop_reason is StopReason.ABORTED
+        stop.clear()
+
+
 class FailingSetup(ToyEnv):
     async def setup(self, task: Task) -> None:
         self.events.append("setup")
@@ -387,6 +407,42 @@ async def test_failing_rewards_score_on_error_and_are_counted(tokenizer: Any) ->
     assert traj.metrics["reward_errors/crashes"] == 1 and traj.metrics["reward_errors/hangs"] == 1
     assert "ZeroDivisionError" in traj.error
     assert env.events == ["setup", "teardown"]
+
+
+class WhereRewardsRun(ToyEnv):
+    @reward(inline=True)
+    def on_loop(self) -> float:
+        self.events.append(f"inline:{threading.get_ident() == LOOP_THREAD[0]}")
+        return 1.0
+
+    @reward(inline=True, on_error=-2.0)
+    def inline_crash(self) -> float:
+        raise ValueError("bad")
+
+    @metric
+    def in_thread(self) -> float:
+        self.events.append(f"threaded:{threading.get_ident() == LOOP_THREAD[0]}")
+        return 1.0
+
+
+LOOP_THREAD: list[int] = []
+
+
+async def test_inline_rewards_run_on_the_loop_and_others_in_a_thread(tokenizer: Any) -> None:
+    LOOP_THREAD[:] = [threading.get_ident()]
+    traj, env, _ = await play(tokenizer, ["5"], env=WhereRewardsRun())
+    assert "inline:True" in env.events and "threaded:False" in env.events
+    assert traj.rewards["on_loop"] == 1.0 and traj.rewards["inline_crash"] == -2.0  # a raise still scores on_error
+    assert traj.metrics["reward_errors/inline_crash"] == 1
+
+
+def test_inline_is_refused_for_async_rewards() -> None:
+    with pytest.raises(TypeError, match="inline=True is for sync functions"):
+
+        class Bad(Env):
+            @reward(inline=True)
+            async def r(self) -> float:
+                return 0.0
 
 
 def test_reward_arguments_are_checked_at_class_definition() -> None:
