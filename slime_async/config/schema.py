@@ -226,7 +226,8 @@ class BufferConfig(_Section):
     """fsync the log before each ack. Without it, acked trajectories survive the death of the buffer
     process (the OS has them) but not a power cut or kernel crash; with it, both, at a cost in speed."""
     compact_every: PositiveInt = 4096
-    """Rewrite the log without trained trajectories after this many have been trained."""
+    """Rewrite the log without trained trajectories after this many have been trained, once at most
+    a quarter of the log is still live (so a lagging trainer does not make it rewrite all it holds)."""
 
 
 class MegatronConfig(_Section):
