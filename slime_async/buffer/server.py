@@ -36,7 +36,7 @@ from slime_async.transport.security import secure_server
 log = logging.getLogger(__name__)
 
 _DRAIN_MESSAGES = 512
-_DRAIN_BYTES = 16 * 2**20
+_DRAIN_BYTES = 2 * 2**20
 """Most messages (or bytes) handled between two WAL commits: bounds ack latency under a flood,
 while one commit (one writev) still covers many trajectories."""
 
