@@ -5,6 +5,14 @@ before its ack goes to the sender, a delivery before the batch goes to the train
 buffer replays the file and is back where it was. Compaction rewrites the file as one snapshot
 of what is still live (atomically: a temporary file, fsync, rename), dropping trained trajectories.
 
+Group commit: the server appends every record of one step (up to ~2 MiB of messages from all
+senders) and `commit` hands them to the OS in one writev, before any of them is acked. What survives:
+- the buffer process killed (kill -9, OOM, crash): every acked trajectory, always (the kernel has
+  the bytes once writev returns; the page cache outlives the process);
+- power loss or a kernel crash: only with `buffer.wal_fsync` (one fsync per commit, so per step, not
+  per trajectory); without it, up to the last few seconds of acked trajectories can be lost, which
+  the senders cannot resend (they were acked). Compaction always fsyncs its new file before the rename.
+
 Record layout: u32 payload length, u32 crc32 of the payload, u8 record type, payload.
 A record cut short at the end of the file (the process died mid-write) was never acknowledged:
 it is cut off with a warning. A bad checksum before the end means the file is damaged: that is an
