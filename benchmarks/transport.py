@@ -10,8 +10,20 @@
     16 requests in flight per sender) to an aiohttp server that decodes it into a Trajectory.
 
 Every sender runs for a fixed time, then waits for its outstanding items to be confirmed (acked,
-put, answered 200); trajectories/s = confirmed trajectories / (last finish - first start), all
-senders together. MB/s counts the msgpack frame size of a trajectory (the payload, the same for all).
+put, answered 200). For this transport, trajectories/s counts what the trainer-side consumer
+received: consumed / (its last batch - first start), after it drained every acked trajectory that
+makes a whole batch. For Ray and HTTP it is confirmed / (last finish - first start) as before (Ray's
+driver stops reading when the producers finish, so its consumer count is lower: the comparison is
+conservative for this transport). MB/s counts the msgpack frame size of a trajectory (the payload,
+the same for all).
+
+`cpu us/traj` is CPU time (user + system, every thread, from /proc) of the buffer server, the
+senders and the consumer's process during the run, per trajectory consumed: unlike trajectories/s,
+it does not depend on what else the machine runs. Two `bound` rows say what this machine allows:
+one raw pyzmq hop carrying the same frames (32 per message, no protocol, no WAL), and the WAL alone
+(the same frames appended and written to the page cache). The pipeline needs two hops (sender ->
+buffer -> trainer) and one WAL write per trajectory, so at best it moves 2 cores / (2 x hop + WAL)
+CPU-seconds per GB; the headline quotes that ceiling.
 """
 
 from __future__ import annotations
@@ -20,11 +32,13 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import resource
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -39,6 +53,7 @@ PROMPT_TOKENS, COMPLETION_TOKENS = 512, 3584  # 4,096 tokens: ids, logprobs, ver
 GROUP_SIZE = 8
 BATCH = 64
 GOAL_VS_RAY, GOAL_MB_S = 10.0, 1000.0
+HOP_BATCH = 32  # frames per message in the bound rows, as AsyncSender sends them
 
 
 def make_trajectory(sender: int) -> Trajectory:
@@ -60,22 +75,31 @@ def _nth(base: Trajectory, sender: int, k: int) -> Trajectory:
 
 
 # -- (a) this transport ----------------------------------------------------------------------------
+def _cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) of this process, or of `pid` on Linux."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _zmq_sender(endpoint: str, sender: int, start_at: float, seconds: float, out: Any) -> None:
     from slime_async.transport import AsyncSender
 
-    async def run() -> tuple[int, float, float]:
+    async def run() -> tuple[int, float, float, float]:
         base = make_trajectory(sender)
         async with AsyncSender(endpoint, name=f"bench-{sender}") as s:
             while time.monotonic() < start_at:
                 await asyncio.sleep(0.005)
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), _cpu_s()
             k = 0
             while time.monotonic() - t0 < seconds:
                 for _ in range(GROUP_SIZE):
                     await s.send(_nth(base, sender, k))
                     k += 1
             await s.flush(120)
-            return s.stats.acked, t0, time.monotonic()
+            return s.stats.acked, t0, time.monotonic(), _cpu_s() - cpu0
 
     out.put(asyncio.run(run()))
 
@@ -98,7 +122,7 @@ def _run_zmq(senders: int, seconds: float, wal: bool) -> dict[str, float]:
             if not line.startswith("READY "):
                 raise RuntimeError(f"buffer server did not start (exit {server.poll()})")
             endpoint = line.split()[1]
-            consumed = [0]
+            consumed, last = [0], [0.0]
             stop = threading.Event()
 
             def consume() -> None:
@@ -106,6 +130,7 @@ def _run_zmq(senders: int, seconds: float, wal: bool) -> dict[str, float]:
                     while not stop.is_set():
                         with contextlib.suppress(TimeoutError):
                             consumed[0] += client.get_batch(BATCH, timeout=0.2).num_trajectories
+                            last[0] = time.monotonic()
                             client.set_version(0)
 
             consumer = threading.Thread(target=consume, daemon=True)
@@ -118,15 +143,27 @@ def _run_zmq(senders: int, seconds: float, wal: bool) -> dict[str, float]:
             ]
             for proc in procs:
                 proc.start()
+            while time.monotonic() < start_at:
+                time.sleep(0.005)
+            cpu0 = _cpu_s(server.pid) + _cpu_s()
             results = [out.get(timeout=seconds + 180) for _ in procs]
             for proc in procs:
                 proc.join(30)
+            acked = sum(r[0] for r in results)
+            deadline = time.monotonic() + 120  # the consumer drains what was acked (all but < 1 batch)
+            while consumed[0] <= acked - BATCH and time.monotonic() < deadline:
+                time.sleep(0.01)
+            cpu = _cpu_s(server.pid) + _cpu_s() - cpu0 + sum(r[3] for r in results)
             stop.set()
             consumer.join(10)
         finally:
             server.terminate()
             server.wait(30)
-    return _summarise(results, consumed=consumed[0])
+    out_ = _summarise([r[:3] for r in results], consumed=consumed[0])
+    elapsed = last[0] - min(r[1] for r in results)
+    out_.update(acked=acked, traj_s=consumed[0] / elapsed if consumed[0] else 0.0,
+                cpu_us=cpu / max(consumed[0], 1) * 1e6)
+    return out_
 
 
 # -- (b) Ray actor queue ---------------------------------------------------------------------------
@@ -259,6 +296,64 @@ def _run_http(senders: int, seconds: float) -> dict[str, float]:
     return _summarise(results, consumed=None)
 
 
+# -- what this machine allows -----------------------------------------------------------------------
+def _hop_sender(endpoint: str, seconds: float, out: Any) -> None:
+    import zmq
+
+    frame = to_msgpack(make_trajectory(0))
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 8)
+    sock.connect(endpoint)
+    cpu0, t0, n = _cpu_s(), time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        sock.send_multipart([frame] * HOP_BATCH, copy=False)
+        n += HOP_BATCH
+    sock.send(b"end")
+    out.put((n, _cpu_s() - cpu0))
+    sock.close(linger=-1)
+
+
+def _bound_hop(seconds: float) -> dict[str, float]:
+    """One raw pyzmq tcp loopback hop, another process to this one, the same frames, no protocol."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 8)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_hop_sender, args=(f"tcp://127.0.0.1:{port}", seconds, out))
+    proc.start()
+    received, started, cpu0 = 0, 0.0, 0.0
+    while (msg := sock.recv_multipart()) != [b"end"]:  # bytes, as the buffer server receives them
+        if not started:
+            started, cpu0 = time.monotonic(), _cpu_s()
+        received += len(msg)
+    elapsed, cpu = time.monotonic() - started, _cpu_s() - cpu0
+    sent, sender_cpu = out.get(timeout=60)
+    proc.join(30)
+    sock.close(linger=0)
+    return {"trajectories": received, "traj_s": received / elapsed, "cpu_us": (cpu + sender_cpu) / sent * 1e6}
+
+
+def _bound_wal(seconds: float) -> dict[str, float]:
+    """The WAL alone: the same frames appended, committed every HOP_BATCH, to the page cache."""
+    from slime_async.buffer.wal import RecordType, WriteAheadLog
+
+    frame = to_msgpack(make_trajectory(0))
+    with tempfile.TemporaryDirectory(prefix="bench-wal-") as wal_dir:
+        wal = WriteAheadLog(wal_dir)
+        cpu0, t0, n = _cpu_s(), time.monotonic(), 0
+        while time.monotonic() - t0 < seconds:
+            for _ in range(HOP_BATCH):
+                wal.append(RecordType.TRAJECTORY, frame)
+            wal.commit()
+            n += HOP_BATCH
+        elapsed, cpu = time.monotonic() - t0, _cpu_s() - cpu0
+        wal.close()
+    return {"trajectories": n, "traj_s": n / elapsed, "cpu_us": cpu / n * 1e6}
+
+
 # -- driver ----------------------------------------------------------------------------------------
 def _summarise(results: list[tuple[int, float, float]], consumed: int | None) -> dict[str, float]:
     count = sum(r[0] for r in results)
@@ -271,8 +366,10 @@ def run(quick: bool = False) -> Result:
     seconds = 0.5 if quick else 3.0
     counts = (2,) if quick else (1, 2, 4)
     frame_mb = len(to_msgpack(make_trajectory(0))) / 1e6
+    load_before = os.getloadavg()
     rows: list[list[Any]] = []
     best: dict[str, float] = {}
+    cpu_us: dict[str, float] = {}
     ray_note = ""
     cases: list[tuple[str, Any]] = [
         ("zmq (this, WAL on)", lambda n: _run_zmq(n, seconds, wal=True)),
@@ -286,19 +383,35 @@ def run(quick: bool = False) -> Result:
                 r = fn(n)
                 if isinstance(r, str):
                     ray_note = r
-                    rows.append([name, n, 0, 0.0, 0.0, r])
+                    rows.append([name, n, 0, 0.0, 0.0, "", r])
                     break
-                rows.append([name, n, int(r["trajectories"]), r["traj_s"], r["traj_s"] * frame_mb,
-                             "" if r["consumed"] < 0 else f"consumer got {int(r['consumed']):,}"])
-                best[name] = max(best.get(name, 0.0), r["traj_s"])
+                note = "" if r["consumed"] < 0 else f"consumer got {int(r['consumed']):,}"
+                if "acked" in r:
+                    note = f"counted at the consumer; senders got {int(r['acked']):,} acks"
+                count = int(r["consumed"]) if "acked" in r else int(r["trajectories"])
+                cpu = r.get("cpu_us", "")
+                rows.append([name, n, count, r["traj_s"], r["traj_s"] * frame_mb, cpu, note])
+                if r["traj_s"] > best.get(name, 0.0):
+                    best[name] = r["traj_s"]
+                    if cpu:
+                        cpu_us[name] = cpu
     finally:
         with contextlib.suppress(ImportError):
             import ray
 
             if ray.is_initialized():
                 ray.shutdown()
+    hop, wal = _bound_hop(seconds), _bound_wal(seconds)
+    rows.append(["bound: raw pyzmq hop", 1, int(hop["trajectories"]), hop["traj_s"], hop["traj_s"] * frame_mb,
+                 hop["cpu_us"], f"{HOP_BATCH} frames a message, both ends' CPU"])
+    rows.append(["bound: WAL write", 1, int(wal["trajectories"]), wal["traj_s"], wal["traj_s"] * frame_mb,
+                 wal["cpu_us"], "append + commit to the page cache, no fsync"])
+    cpus = os.cpu_count() or 1
+    ceiling_mb_s = cpus / ((2 * hop["cpu_us"] + wal["cpu_us"]) * 1e-6) * frame_mb
+    load_after = os.getloadavg()
     ours = best.get("zmq (this, WAL on)", 0.0)
     ray_best = best.get("ray actor queue")
+
     def verdict(ok: bool) -> str:
         return "met" if ok else "NOT met"
 
@@ -307,13 +420,19 @@ def run(quick: bool = False) -> Result:
     else:
         vs_ray = f"vs Ray: n/a ({ray_note})"
     mb_s = ours * frame_mb
+    ours_cpu = cpu_us.get("zmq (this, WAL on)", 0.0)
     headline = (
-        f"this transport (WAL on), best of {', '.join(map(str, counts))} senders: {ours:,.0f} trajectories/s, "
-        f"{mb_s:,.0f} MB/s (goal >= {GOAL_MB_S:,.0f} MB/s: {verdict(mb_s >= GOAL_MB_S)}); {vs_ray}; "
-        f"frame {frame_mb * 1e3:.1f} kB; {os.cpu_count()} CPUs shared by all processes"
+        f"this transport (WAL on), best of {', '.join(map(str, counts))} senders, counted at the consumer: "
+        f"{ours:,.0f} trajectories/s, {mb_s:,.0f} MB/s (goal >= {GOAL_MB_S:,.0f} MB/s: {verdict(mb_s >= GOAL_MB_S)}); "
+        f"{vs_ray}; it costs {ours_cpu:,.0f} CPU-us a trajectory (all processes); the machine's ceiling for "
+        f"2 hops + WAL is {ceiling_mb_s:,.0f} MB/s ({cpus} CPUs, hop {hop['cpu_us']:.0f} + hop + WAL "
+        f"{wal['cpu_us']:.0f} CPU-us a trajectory); frame {frame_mb * 1e3:.1f} kB; load average "
+        f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (other users' processes share the CPUs)"
     )
     return Result(
-        columns=["transport", "senders", "trajectories", "trajectories/s", "MB/s", "note"],
+        columns=["transport", "senders", "trajectories", "trajectories/s", "MB/s", "cpu us/traj", "note"],
         rows=rows, headline=headline,
-        details={"frame_bytes": int(frame_mb * 1e6), "seconds_per_case": seconds, "best_traj_s": best},
+        details={"frame_bytes": int(frame_mb * 1e6), "seconds_per_case": seconds, "best_traj_s": best,
+                 "cpu_us_per_traj": cpu_us, "bound_hop": hop, "bound_wal": wal, "ceiling_mb_s": ceiling_mb_s,
+                 "loadavg_before": load_before, "loadavg_after": load_after},
     )

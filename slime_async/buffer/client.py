@@ -26,7 +26,7 @@ import zmq
 from slime_async.buffer.core import Batch
 from slime_async.transport import protocol as p
 from slime_async.transport.security import secure_client
-from slime_async.types import from_msgpack
+from slime_async.types import Group, Trajectory, from_msgpack
 
 
 def _new_request_id() -> int:
@@ -73,9 +73,9 @@ class BufferClient:
             raise
         if kind == p.TIMEOUT:
             raise TimeoutError(f"buffer at {self.endpoint}: fewer than {num_trajectories} ready within {timeout} s")
-        reply = from_msgpack(frames[0], p.BatchReply)
-        self._unreported.append(reply.batch_id)
-        return Batch(reply.batch_id, reply.version, reply.groups)
+        batch = _read_batch(frames)
+        self._unreported.append(batch.batch_id)
+        return batch
 
     def set_version(
         self, version: int, trained: list[int] | None = None, restarted: bool = False, timeout: float = 30.0
@@ -131,3 +131,18 @@ class BufferClient:
             if time.monotonic() >= resend_at:
                 self._sock.send_multipart(msg)  # the buffer may have restarted and lost it
                 resend_at = time.monotonic() + self.retry_s
+
+
+def _read_batch(frames: list[bytes]) -> Batch:
+    """A BATCH message's header and trajectory frames as a Batch of whole groups."""
+    header = msgspec.msgpack.decode(frames[0], type=p.BatchHeader)
+    payloads = frames[1:]
+    if sum(g.size for g in header.groups) != len(payloads):
+        raise ValueError(f"BATCH {header.batch_id}: header lists {sum(g.size for g in header.groups)} "
+                         f"trajectories, message has {len(payloads)}")
+    groups, k = [], 0
+    for g in header.groups:
+        trajs = [from_msgpack(f, Trajectory) for f in payloads[k : k + g.size]]
+        groups.append(Group(group_id=g.group_id, task_id=g.task_id, trajectories=trajs))
+        k += g.size
+    return Batch(header.batch_id, header.version, groups)

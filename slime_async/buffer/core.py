@@ -32,7 +32,9 @@ from pathlib import Path
 
 import msgspec
 
+from slime_async.buffer import snapshot
 from slime_async.buffer.policies import POLICIES, SamplingPolicy, group_min_version
+from slime_async.buffer.snapshot import Frame
 from slime_async.buffer.wal import RecordType, WriteAheadLog
 from slime_async.types import Group, Trajectory, from_msgpack, to_msgpack
 
@@ -94,19 +96,6 @@ class _Version(msgspec.Struct, array_like=True):
     returned: list[int] = []
 
 
-class _Snapshot(msgspec.Struct, kw_only=True):
-    version: int
-    received: int
-    trained: int
-    partial_groups: int
-    dropped: dict[str, int]
-    seen: list[str]
-    released: list[str]
-    pending: list[list[Trajectory]]
-    ready: list[Group]
-    delivered: list[tuple[int, int, list[Group]]]
-
-
 class Buffer:
     """Groups trajectories, drops stale ones, hands batches to the trainer, logs it all."""
 
@@ -142,6 +131,11 @@ class Buffer:
         self._delivered: dict[int, Batch] = {}
         self._min_version: dict[str, int | None] = {}
         """Oldest token version of each ready or delivered group, computed once at release (hot path)."""
+        self._frames: dict[str, Frame] = {}
+        """The wire frame of each trajectory held (pending, ready, delivered), kept as it arrived: the
+        trainer's batches and the compaction snapshot send and write it without re-encoding."""
+        self._frame_bytes = 0
+        """Total size of `_frames`: what a compaction would write."""
         self._n = Counter[str]()
         """Trajectories in each place (pending, ready, delivered), kept as they move: metrics are O(1)."""
         self._trained_since_compaction = 0
@@ -181,8 +175,10 @@ class Buffer:
         elif rtype == RecordType.VERSION:
             v = msgspec.msgpack.decode(payload, type=_Version)
             self.set_version(v.version, trained=v.trained, restarted=v.restarted, returned=v.returned)
+        elif rtype == RecordType.SNAPSHOT_FRAMES:
+            self._load_snapshot(snapshot.decode(payload))
         elif rtype == RecordType.SNAPSHOT:
-            self._load_snapshot(from_msgpack(payload, _Snapshot))
+            self._load_snapshot(snapshot.decode_v1(payload))
 
     def _log(self, rtype: RecordType, payload: bytes | memoryview) -> None:
         if self.wal is not None and not self._replaying:
@@ -194,13 +190,19 @@ class Buffer:
         if trajectory.id in self._seen:
             self.counters.duplicates += 1
             return False
-        self._log(RecordType.TRAJECTORY, frame if frame is not None else to_msgpack(trajectory))
+        if frame is None and self.wal is not None:
+            frame = to_msgpack(trajectory)
+        if frame is not None:
+            self._log(RecordType.TRAJECTORY, frame)
         self._seen.add(trajectory.id)
         self.counters.received += 1
         gid = trajectory.group_id
         if gid in self._released:
             self._drop([trajectory], LATE)
             return True
+        if frame is not None:
+            self._frames[trajectory.id] = frame
+            self._frame_bytes += len(frame)
         pending = self._pending.get(gid)
         if pending is None:
             pending = self._pending[gid] = _Pending([], time.monotonic() if now is None else now)
@@ -269,6 +271,7 @@ class Buffer:
 
     def _drop(self, trajs: list[Trajectory], reason: str) -> None:
         self.counters.dropped[reason] += len(trajs)
+        self._forget_frames(trajs)
         if not self._replaying:
             log.info("buffer: dropped %d trajectories (%s) of group %s", len(trajs), reason, trajs[0].group_id)
 
@@ -300,6 +303,21 @@ class Buffer:
         self._log(RecordType.DELIVER, msgspec.msgpack.encode(_Deliver(batch_id, self.version, chosen)))
         return self._deliver(batch_id, self.version, chosen)
 
+    def _forget_frames(self, trajs: list[Trajectory]) -> None:
+        for t in trajs:
+            frame = self._frames.pop(t.id, None)
+            if frame is not None:
+                self._frame_bytes -= len(frame)
+
+    def frames_of(self, batch: Batch) -> list[Frame]:
+        """The wire frames of a batch's trajectories, group after group, as they arrived."""
+        out: list[Frame] = []
+        for g in batch.groups:
+            for t in g.trajectories:
+                frame = self._frames.get(t.id)
+                out.append(to_msgpack(t) if frame is None else frame)  # added in-process, without a frame
+        return out
+
     def _deliver(self, batch_id: int, version: int, group_ids: list[str]) -> Batch:
         batch = Batch(batch_id, version, [self._ready.pop(gid) for gid in group_ids])
         self._delivered[batch_id] = batch
@@ -328,6 +346,7 @@ class Buffer:
                 self._n["delivered"] -= batch.num_trajectories
                 for g in batch.groups:
                     self._min_version.pop(g.group_id, None)
+                    self._forget_frames(g.trajectories)
                 self.counters.trained += batch.num_trajectories
                 self._trained_since_compaction += batch.num_trajectories
         going_back = list(self._delivered) if restarted else [b for b in returned if b in self._delivered]
@@ -341,8 +360,19 @@ class Buffer:
             self._ready_floor = None
         self.version = version
         self._evict_stale()
-        if not self._replaying and self.wal is not None and self._trained_since_compaction >= self.compact_every:
+        if self._compaction_due():
             self.compact()
+
+    def _compaction_due(self) -> bool:
+        """After `compact_every` trained, and once the live part is at most a quarter of the log.
+
+        Compaction writes everything live; when the trainer lags, that is up to `capacity` frames,
+        and rewriting them every `compact_every` trained would write more than the traffic itself.
+        Waiting until 3/4 of the log is dead keeps the extra writing under 1/3 of the traffic, and
+        the log under about 4x what is live (plus `compact_every` trajectories)."""
+        if self._replaying or self.wal is None or self._trained_since_compaction < self.compact_every:
+            return False
+        return self._frame_bytes * 4 <= self.wal.size_bytes
 
     # -- persistence -----------------------------------------------------------------------------
     def compact(self) -> None:
@@ -350,19 +380,19 @@ class Buffer:
         if self.wal is None:
             return
         c = self.counters
-        snap = _Snapshot(
+        state = snapshot.SnapshotState(
             version=self.version, received=c.received, trained=c.trained,
             partial_groups=c.partial_groups, dropped=dict(c.dropped), seen=list(self._seen),
             released=list(self._released), pending=[p.trajectories for p in self._pending.values()],
             ready=list(self._ready.values()),
-            delivered=[(b.batch_id, b.version, b.groups) for b in self._delivered.values()],
+            delivered=[(b.batch_id, b.version, b.groups) for b in self._delivered.values()], frames=self._frames,
         )
         before = self.wal.size_bytes
-        self.wal.rewrite([(RecordType.SNAPSHOT, to_msgpack(snap))])
+        self.wal.rewrite([(RecordType.SNAPSHOT_FRAMES, snapshot.encode(state))])
         self._trained_since_compaction = 0
         log.info("buffer: compacted the WAL from %d to %d bytes", before, self.wal.size_bytes)
 
-    def _load_snapshot(self, snap: _Snapshot) -> None:
+    def _load_snapshot(self, snap: snapshot.SnapshotState) -> None:
         self.version = snap.version
         self.counters = Counters(
             snap.received, snap.trained, self.counters.duplicates, snap.partial_groups, Counter(snap.dropped)
@@ -380,6 +410,8 @@ class Buffer:
             ready=sum(len(g.trajectories) for g in self._ready.values()),
             delivered=sum(b.num_trajectories for b in self._delivered.values()),
         )
+        self._frames = dict(snap.frames)
+        self._frame_bytes = sum(len(f) for f in self._frames.values())
         self._ready_floor = None
 
     def commit(self) -> None:

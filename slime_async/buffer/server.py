@@ -32,12 +32,13 @@ from slime_async.config.schema import BufferConfig, Config
 from slime_async.transport import protocol as p
 from slime_async.transport.frames import Rejected, RejectReason, decode_trajectory
 from slime_async.transport.security import secure_server
-from slime_async.types import to_msgpack
 
 log = logging.getLogger(__name__)
 
-_DRAIN = 512
-"""Most messages handled between two WAL commits: bounds ack latency under a flood."""
+_DRAIN_MESSAGES = 512
+_DRAIN_BYTES = 2 * 2**20
+"""Most messages (or bytes) handled between two WAL commits: bounds ack latency under a flood,
+while one commit (one writev) still covers many trajectories."""
 
 
 class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -129,12 +130,16 @@ class BufferServer:
         acks: defaultdict[bytes, list[int]] = defaultdict(list)
         out: list[list[bytes]] = []
         if self.sock.poll(max(0, int(min(waits) * 1000)), zmq.POLLIN):
-            for _ in range(_DRAIN):
+            drained = 0
+            for _ in range(_DRAIN_MESSAGES):
                 try:
                     frames = self.sock.recv_multipart(zmq.NOBLOCK)  # bytes: cheaper than Frame objects at ~50 kB
                 except zmq.Again:
                     break
                 self._handle(frames, acks, out)
+                drained += sum(map(len, frames))
+                if drained >= _DRAIN_BYTES:
+                    break
         self.buffer.tick()
         self.buffer.commit()  # durable before anyone hears about it
         for ident, seqs in acks.items():
@@ -184,25 +189,27 @@ class BufferServer:
         self, ident: bytes, peer: _Peer | None, frames: list[bytes], acks: dict[bytes, list[int]],
         out: list[list[bytes]],
     ) -> None:
-        if len(frames) != 5:
-            raise Rejected(RejectReason.BAD_MESSAGE, f"DATA message has {len(frames) - 1} frames, expected 4")
+        if len(frames) < 5:
+            raise Rejected(RejectReason.BAD_MESSAGE, f"DATA message has {len(frames) - 1} frames, expected >= 4")
         session = p.unpack_u64(frames[2], "DATA session")
-        seq = p.unpack_u64(frames[3], "DATA seq")
+        payloads = frames[4:]
+        seqs = p.unpack_seqs(frames[3], len(payloads))
         if peer is None:
             # A sender we do not know (we restarted, or forgot it): keep its data, ask it to say HELLO
             # so that it gets credits and resends whatever we never acked.
             out.append([ident, p.RESET, p.pack_u64(session)])
         elif peer.session == session:
-            peer.received += 1
-        payload = frames[4]
-        try:
-            trajectory = decode_trajectory(payload, self.cfg.max_frame_bytes)
-        except Rejected as exc:
-            self._count_reject(exc, ident)
-            out.append([ident, p.NACK, p.pack_u64(seq), str(exc).encode()])
-            return
-        self.buffer.add(trajectory, payload)  # a duplicate is acked again, stored once
-        acks[ident].append(seq)
+            peer.received += len(payloads)
+        ack = acks[ident]
+        for seq, payload in zip(seqs, payloads, strict=True):
+            try:
+                trajectory = decode_trajectory(payload, self.cfg.max_frame_bytes)
+            except Rejected as exc:
+                self._count_reject(exc, ident)
+                out.append([ident, p.NACK, p.pack_u64(seq), str(exc).encode()])
+                continue
+            self.buffer.add(trajectory, payload)  # a duplicate is acked again, stored once
+            ack.append(seq)
 
     def _on_hello(self, ident: bytes, frames: list[bytes]) -> None:
         session = p.unpack_u64(_frame(frames, 2, "HELLO session"), "HELLO session")
@@ -234,8 +241,10 @@ class BufferServer:
             batch = self.buffer.get_batch(req.num_trajectories, req.request_id)
             if batch is not None:
                 self.buffer.commit()  # the delivery is on disk before the trainer can see it
-                reply = p.BatchReply(batch_id=batch.batch_id, version=batch.version, groups=batch.groups)
-                self.sock.send_multipart([w.ident, p.BATCH, p.pack_u64(req.request_id), to_msgpack(reply)], copy=False)
+                # The frames as the senders sent them: no re-encoding on the way to the trainer.
+                header = p.encode(p.BatchHeader.of(batch.batch_id, batch.version, batch.groups))
+                frames = self.buffer.frames_of(batch)
+                self.sock.send_multipart([w.ident, p.BATCH, p.pack_u64(req.request_id), header, *frames], copy=False)
             elif now >= w.deadline:
                 self._timed_out.append(req.request_id)
                 self.sock.send_multipart([w.ident, p.TIMEOUT, p.pack_u64(req.request_id)])

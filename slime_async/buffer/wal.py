@@ -5,6 +5,14 @@ before its ack goes to the sender, a delivery before the batch goes to the train
 buffer replays the file and is back where it was. Compaction rewrites the file as one snapshot
 of what is still live (atomically: a temporary file, fsync, rename), dropping trained trajectories.
 
+Group commit: the server appends every record of one step (up to ~2 MiB of messages from all
+senders) and `commit` hands them to the OS in one writev, before any of them is acked. What survives:
+- the buffer process killed (kill -9, OOM, crash): every acked trajectory, always (the kernel has
+  the bytes once writev returns; the page cache outlives the process);
+- power loss or a kernel crash: only with `buffer.wal_fsync` (one fsync per commit, so per step, not
+  per trajectory); without it, up to the last few seconds of acked trajectories can be lost, which
+  the senders cannot resend (they were acked). Compaction always fsyncs its new file before the rename.
+
 Record layout: u32 payload length, u32 crc32 of the payload, u8 record type, payload.
 A record cut short at the end of the file (the process died mid-write) was never acknowledged:
 it is cut off with a warning. A bad checksum before the end means the file is damaged: that is an
@@ -18,7 +26,7 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -38,7 +46,10 @@ class RecordType(enum.IntEnum):
     VERSION = 4
     """The trainer's version, the batches it reported trained, whether it restarted."""
     SNAPSHOT = 5
-    """Everything live at compaction time; always the first record of a compacted file."""
+    """Everything live at compaction time, as one msgpack document (older files; no longer written)."""
+    SNAPSHOT_FRAMES = 6
+    """Everything live at compaction time, trajectories as their wire frames (`buffer.snapshot`);
+    always the first record of a compacted file."""
 
 
 class WALCorruptError(RuntimeError):
@@ -56,10 +67,12 @@ class WriteAheadLog:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._pending: list[bytes | memoryview] = []
         """Headers and payloads appended since the last commit, written by one writev per commit."""
+        self._pending_bytes = 0
 
     @property
     def size_bytes(self) -> int:
-        return os.fstat(self._fd).st_size
+        """Bytes in the file plus those appended and not yet committed."""
+        return os.fstat(self._fd).st_size + self._pending_bytes
 
     def replay(self) -> Iterator[tuple[RecordType, bytes]]:
         """Yield every record in the file, cutting off a torn last record."""
@@ -94,12 +107,14 @@ class WriteAheadLog:
         """Queue a record; it is written at the next `commit` (the payload must stay unchanged until then)."""
         self._pending.append(_HEADER.pack(len(payload), zlib.crc32(payload), rtype))
         self._pending.append(payload)
+        self._pending_bytes += _HEADER.size + len(payload)
 
     def commit(self) -> None:
         """Hand appended records to the OS (they survive a kill -9), and fsync if configured."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        self._pending_bytes = 0
         for start in range(0, len(pending), _IOV_MAX):
             chunk = pending[start : start + _IOV_MAX]
             want = sum(len(b) for b in chunk)
@@ -109,16 +124,27 @@ class WriteAheadLog:
         if self.fsync:
             os.fsync(self._fd)
 
-    def rewrite(self, records: Iterable[tuple[RecordType, bytes]]) -> None:
-        """Replace the whole log by `records` atomically (compaction)."""
+    def rewrite(self, records: Iterable[tuple[RecordType, Sequence[bytes | memoryview]]]) -> None:
+        """Replace the whole log by `records` atomically (compaction). Each payload is given as the
+        buffers that make it up, written one after another (no concatenation into one copy)."""
         tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            for rtype, payload in records:
-                f.write(_HEADER.pack(len(payload), zlib.crc32(payload), rtype))
-                f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for rtype, parts in records:
+                crc = 0
+                for part in parts:
+                    crc = zlib.crc32(part, crc)
+                bufs = [_HEADER.pack(sum(len(b) for b in parts), crc, rtype), *parts]
+                for start in range(0, len(bufs), _IOV_MAX):
+                    chunk = bufs[start : start + _IOV_MAX]
+                    done = os.writev(fd, chunk)
+                    if done != sum(len(b) for b in chunk):
+                        _write_rest(fd, chunk, done)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         self._pending = []
+        self._pending_bytes = 0
         os.close(self._fd)
         os.replace(tmp, self.path)
         dir_fd = os.open(self.dir, os.O_RDONLY)

@@ -224,10 +224,12 @@ class BufferConfig(_Section):
     """Directory of the write-ahead log; relative paths are under the run directory (`run.dir/run.name`).
     None keeps no log (a restarted buffer starts empty): for benchmarks, never for training."""
     wal_fsync: bool = False
-    """fsync the log before each ack. Without it, acked trajectories survive the death of the buffer
+    """fsync the log before each ack (one fsync per server step, covering every trajectory of the step:
+    group commit). Without it, acked trajectories survive the death of the buffer
     process (the OS has them) but not a power cut or kernel crash; with it, both, at a cost in speed."""
     compact_every: PositiveInt = 4096
-    """Rewrite the log without trained trajectories after this many have been trained."""
+    """Rewrite the log without trained trajectories after this many have been trained, once at most
+    a quarter of the log is still live (so a lagging trainer does not make it rewrite all it holds)."""
 
 
 class MegatronConfig(_Section):

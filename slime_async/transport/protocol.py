@@ -8,16 +8,22 @@ session (a sender that reconnects uses a new one).
 
 Sender -> server                         server -> sender
   HELLO  u64 session, Hello                GRANT  u64 session, u64 total credits granted
-  DATA   u64 session, u64 seq, frame       ACK    Ack (sequence numbers, batched)
+  DATA   u64 session, seqs, frame * n       ACK    Ack (sequence numbers, batched)
   PING   u64 session                       NACK   u64 seq, reason (utf-8): the item is rejected
                                            PONG
                                            RESET  u64 session: unknown, say HELLO, resend
 
 Trainer client -> server                 server -> trainer client
-  GET      GetBatch                        BATCH    u64 request id, BatchReply
+  GET      GetBatch                        BATCH    u64 request id, BatchHeader, frame * n
   VERSION  SetVersion                      TIMEOUT  u64 request id
   METRICS  u64 request id                  OK       u64 request id
                                            METRICS  u64 request id, msgpack dict
+
+DATA carries n >= 1 trajectories: `seqs` is n little-endian u64 sequence numbers, one per frame
+that follows (so the one-item DATA of protocol 1 is still valid). BATCH carries the trajectories'
+frames exactly as the senders sent them (the buffer never re-encodes them), after a header that
+says how they form groups. Each frame is its own ZeroMQ frame: one message moves many trajectories
+with no copy into a container, and each can still be rejected or acked on its own.
 
 Credits are absolute ("you may have sent up to N items in this session"), so a lost or repeated
 GRANT never leaves a sender stuck or over its window.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import struct
 
 import msgspec
+import numpy as np
 
 from slime_async.types import Group
 
@@ -46,10 +53,12 @@ BATCH = b"BATCH"
 TIMEOUT = b"TIMEOUT"
 OK = b"OK"
 
-PROTOCOL_VERSION = 1
-"""Bumped when a message changes shape; a HELLO from another protocol version is refused."""
+PROTOCOL_VERSION = 2
+"""Bumped when a message changes shape; a HELLO from another protocol version is refused.
+2: DATA and BATCH carry many trajectory frames per message."""
 
 _U64 = struct.Struct("<Q")
+_SEQS = np.dtype("<u8")
 
 
 def pack_u64(value: int) -> bytes:
@@ -61,6 +70,17 @@ def unpack_u64(frame: bytes | memoryview, what: str) -> int:
     if len(frame) != _U64.size:
         raise ValueError(f"{what}: expected {_U64.size} bytes, got {len(frame)}")
     return _U64.unpack(frame)[0]
+
+
+def pack_seqs(seqs: list[int]) -> bytes:
+    return np.asarray(seqs, dtype=_SEQS).tobytes()
+
+
+def unpack_seqs(frame: bytes | memoryview, count: int) -> list[int]:
+    """Read the `count` sequence numbers of a DATA message; the error says what was wrong."""
+    if count < 1 or len(frame) != count * _SEQS.itemsize:
+        raise ValueError(f"DATA seqs: expected {count} x {_SEQS.itemsize} bytes for {count} frames, got {len(frame)}")
+    return np.frombuffer(frame, dtype=_SEQS).tolist()
 
 
 class Hello(msgspec.Struct, kw_only=True):
@@ -87,12 +107,26 @@ class GetBatch(msgspec.Struct, kw_only=True):
     """How long the server may wait for enough ready groups before answering TIMEOUT."""
 
 
-class BatchReply(msgspec.Struct, kw_only=True):
+class GroupHeader(msgspec.Struct, array_like=True):
+    group_id: str
+    task_id: str
+    size: int
+    """How many of the frames that follow (after those of the groups before) belong to this group."""
+
+
+class BatchHeader(msgspec.Struct, kw_only=True):
     batch_id: int
     """Equal to the request id; the trainer reports it back in SetVersion.trained."""
     version: int
     """Trainer version at which the batch was handed out (staleness was checked against it)."""
-    groups: list[Group]
+    groups: list[GroupHeader]
+
+    @classmethod
+    def of(cls, batch_id: int, version: int, groups: list[Group]) -> BatchHeader:
+        return cls(
+            batch_id=batch_id, version=version,
+            groups=[GroupHeader(g.group_id, g.task_id, len(g.trajectories)) for g in groups],
+        )
 
 
 class SetVersion(msgspec.Struct, kw_only=True):

@@ -1,8 +1,10 @@
 """Trajectory senders: how a rollout worker hands finished trajectories to the buffer.
 
 `AsyncSender` is for asyncio code (the rollout scheduler): `await sender.send(trajectory)` returns
-once the item is queued on the wire, waiting while the buffer grants no credit (it never drops);
-a background task reads acks and grants, pings the server and reconnects when it falls silent.
+once the item is queued, waiting while the buffer grants no credit (it never drops); the items
+queued until the caller next yields to the event loop leave together, up to `batch_items` per
+ZeroMQ message. A background task reads acks and grants, pings the server and reconnects when it
+falls silent.
 `SyncSender` is the same protocol for plain code, driven by the caller's own calls (no thread).
 Both keep every item until the buffer acks it, so a restart of either side loses nothing.
 """
@@ -38,11 +40,15 @@ class _SenderBase:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         on_ack: AckCallback | None = None,
         on_nack: NackCallback | None = None,
+        batch_items: int = 32,
+        batch_bytes: int = 4 * 2**20,
     ) -> None:
         self.endpoint = endpoint
         self.curve_dir = curve_dir
         self.max_frame_bytes = max_frame_bytes
-        self.core = SenderCore(name, heartbeat_s, heartbeat_timeout_s, on_ack, on_nack)
+        self.core = SenderCore(
+            name, heartbeat_s, heartbeat_timeout_s, on_ack, on_nack, batch_items=batch_items, batch_bytes=batch_bytes
+        )
         self._closed = False
 
     @property
@@ -82,6 +88,7 @@ class AsyncSender(_SenderBase):
         self._sock: zmq.asyncio.Socket | None = None
         self._changed: asyncio.Condition | None = None
         self._task: asyncio.Task[None] | None = None
+        self._pump_soon: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._changed = asyncio.Condition()
@@ -104,7 +111,11 @@ class AsyncSender(_SenderBase):
             await self._changed.wait_for(lambda: self.core.can_enqueue() or self._task.done())
         self._raise_if_dead()
         self.core.enqueue(trajectory.id, frame)
-        await self._pump()
+        if len(self.core.queue) >= self.core.batch_items:
+            await self._pump()
+        elif self._pump_soon is None or self._pump_soon.done():
+            # Transmit when the caller next yields: what it queues until then leaves in one message.
+            self._pump_soon = asyncio.create_task(self._pump())
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every item sent so far is acked or nacked (TimeoutError after `timeout`)."""
@@ -122,6 +133,8 @@ class AsyncSender(_SenderBase):
             with contextlib.suppress(TimeoutError):
                 await self.flush(flush_timeout)
         self._closed = True
+        if self._pump_soon is not None:
+            self._pump_soon.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -204,7 +217,8 @@ class SyncSender(_SenderBase):
         self.close()
 
     def send(self, trajectory: Trajectory, timeout: float | None = None) -> None:
-        """Queue `trajectory`, waiting (up to `timeout`, else forever) for a credit."""
+        """Queue `trajectory`, waiting (up to `timeout`, else forever) for a credit; it leaves at once
+        (with any resends queued before it), since there is no background task to send it later."""
         frame = self._encode(trajectory)
         self._wait(self.core.can_enqueue, timeout, "a credit from the buffer (is it full, or down?)")
         self.core.enqueue(trajectory.id, frame)

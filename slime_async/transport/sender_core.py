@@ -6,7 +6,9 @@ means the two drivers cannot disagree about credits, resends or sessions.
 
 Rules:
 - every item gets a sequence number and stays in `unacked` until the server acks or nacks it;
-- a DATA message needs a credit: `sent_in_session < granted`; grants are absolute per session;
+- each item in a DATA message needs a credit: `sent_in_session < granted`; grants are absolute
+  per session; one DATA message carries up to `batch_items` items (`batch_bytes` of frames), so
+  that the per-message cost of ZeroMQ, the event loop and the server is paid once per batch;
 - a new session (after RESET, or after `heartbeat_timeout_s` of silence) requeues every unacked
   item in sequence order; duplicates this causes are removed by the buffer's de-duplication;
 - acks and nacks are valid whatever session they arrive in (they are about the item, not the link).
@@ -57,8 +59,14 @@ class SenderCore:
         heartbeat_timeout_s: float = 5.0,
         on_ack: AckCallback | None = None,
         on_nack: NackCallback | None = None,
+        batch_items: int = 32,
+        batch_bytes: int = 4 * 2**20,
     ) -> None:
+        if batch_items < 1 or batch_bytes < 1:
+            raise ValueError(f"batch_items and batch_bytes must be >= 1, got {batch_items}, {batch_bytes}")
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.batch_items = batch_items
+        self.batch_bytes = batch_bytes
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_ack = on_ack
@@ -109,22 +117,33 @@ class SenderCore:
         return seq
 
     def next_data(self) -> list[bytes] | None:
-        """The next DATA message to transmit, if one is queued and a credit allows it."""
-        while self.queue and self.credit() > 0:
-            seq = self.queue.popleft()
-            item = self.unacked.get(seq)
+        """The next DATA message to transmit: as many queued items as credits, `batch_items` and
+        `batch_bytes` allow (always at least one when any may go), or None."""
+        seqs: list[int] = []
+        frames: list[bytes] = []
+        size = 0
+        while self.queue and self.credit() > 0 and len(seqs) < self.batch_items:
+            item = self.unacked.get(self.queue[0])
             if item is None:  # acked while it waited for a resend
+                self.queue.popleft()
                 continue
+            if seqs and size + len(item[1]) > self.batch_bytes:
+                break
+            seqs.append(self.queue.popleft())
+            frames.append(item[1])
+            size += len(item[1])
             self.sent_in_session += 1
-            self.stats.sent += 1
-            return [p.DATA, p.pack_u64(self.session), p.pack_u64(seq), item[1]]
-        return None
+        if not seqs:
+            return None
+        self.stats.sent += len(seqs)
+        return [p.DATA, p.pack_u64(self.session), p.pack_seqs(seqs), *frames]
 
     def not_sent(self, msg: list[bytes]) -> None:
-        """The socket refused `msg` (from `next_data`; no connected peer): it goes back to the front."""
-        self.queue.appendleft(p.unpack_u64(msg[2], "seq"))
-        self.sent_in_session -= 1
-        self.stats.sent -= 1
+        """The socket refused `msg` (from `next_data`; no connected peer): its items go back to the front."""
+        seqs = p.unpack_seqs(msg[2], len(msg) - 3)
+        self.queue.extendleft(reversed(seqs))
+        self.sent_in_session -= len(seqs)
+        self.stats.sent -= len(seqs)
 
     def all_acked(self) -> bool:
         return not self.unacked

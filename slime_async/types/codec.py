@@ -11,7 +11,13 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from slime_async.types.arrays import json_dec_hook, json_enc_hook, msgpack_dec_hook, msgpack_enc_hook
+from slime_async.types.arrays import (
+    json_dec_hook,
+    json_enc_hook,
+    msgpack_dec_hook,
+    msgpack_enc_hook,
+    msgpack_ext_hook,
+)
 from slime_async.types.core import SCHEMA_VERSION
 
 T = TypeVar("T")
@@ -45,11 +51,16 @@ def to_msgpack(obj: Any) -> bytes:
 
 
 def from_msgpack(data: bytes | memoryview, type: type[T]) -> T:
-    """Decode a msgpack frame as `type`, checking its schema version first."""
+    """Decode a msgpack frame as `type`, checking its schema version first.
+
+    Arrays in the result are read-only views of `data` (no copy): they keep `data` alive, and a
+    caller that passes a mutable buffer must not change it afterwards."""
     _check_schema(data, _header_decoder.decode, "msgpack")
     decoder = _msgpack_decoders.get(type)
     if decoder is None:
-        decoder = _msgpack_decoders[type] = msgspec.msgpack.Decoder(type, dec_hook=msgpack_dec_hook)
+        decoder = _msgpack_decoders[type] = msgspec.msgpack.Decoder(
+            type, dec_hook=msgpack_dec_hook, ext_hook=msgpack_ext_hook
+        )
     try:
         return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

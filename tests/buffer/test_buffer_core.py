@@ -10,7 +10,7 @@ import pytest
 
 from slime_async.buffer import Buffer, WALCorruptError, freshest
 from slime_async.buffer.wal import WAL_FILE
-from slime_async.types import Group, StopReason, Trajectory, Turn
+from slime_async.types import Group, StopReason, Trajectory, Turn, from_msgpack
 
 
 def traj(group: str, index: int, version: int = 0, tokens: int = 6, tid: str | None = None) -> Trajectory:
@@ -172,6 +172,50 @@ def test_compaction_keeps_state_and_shrinks_the_log(tmp_path: Path) -> None:
     assert (m["received"], m["trained"], m["ready"], m["duplicates"]) == (61, 50, 11, 0)
     back.add(traj("g0", 0))
     assert back.metrics()["duplicates"] == 1 and back.metrics()["received"] == 61
+
+
+def test_compaction_waits_until_most_of_the_log_is_dead(tmp_path: Path) -> None:
+    # A lagging trainer: most of what was received is still live, so a rewrite would copy it all.
+    buf = Buffer.open(tmp_path, group_size=1, max_staleness=100, compact_every=10)
+    for k in range(40):
+        buf.add(traj(f"g{k}", 0, tokens=500))
+    for k in range(20):
+        assert buf.get_batch(1, batch_id=k) is not None
+    buf.set_version(1, trained=list(range(10)))  # 30 of 40 live: no rewrite
+    buf.commit()
+    size = (tmp_path / WAL_FILE).stat().st_size
+    buf.set_version(2, trained=list(range(10, 20)))  # 20 of 40 live: still none
+    buf.commit()
+    assert (tmp_path / WAL_FILE).stat().st_size > size  # only appended to
+    for k in range(20, 32):
+        assert buf.get_batch(1, batch_id=k) is not None
+    buf.set_version(3, trained=list(range(20, 32)))  # 8 of 40 live (< 1/4): rewritten
+    buf.commit()
+    assert (tmp_path / WAL_FILE).stat().st_size < size / 3
+    buf.close()
+    assert balanced(Buffer.open(tmp_path, group_size=1, max_staleness=100))["ready"] == 8
+
+
+def test_snapshot_restores_pending_ready_and_delivered_groups_with_their_frames(tmp_path: Path) -> None:
+    buf = Buffer.open(tmp_path, group_size=2, max_staleness=100, compact_every=1)
+    for g in ("a", "b", "c", "d"):
+        fill(buf, g, 2)
+    buf.add(traj("e", 0))  # pending: its group is incomplete
+    first = buf.get_batch(2, batch_id=1)
+    second = buf.get_batch(2, batch_id=2)
+    assert first is not None and second is not None
+    buf.set_version(1, trained=[1])  # 2 trained of 9: the rewrite keeps the other 7
+    buf.compact()
+    buf.close()
+    back = Buffer.open(tmp_path, group_size=2, max_staleness=100)
+    m = balanced(back)
+    assert (m["pending"], m["ready"], m["delivered"], m["trained"]) == (1, 4, 2, 2), m
+    assert ids(back.get_batch(2, batch_id=2)) == ids(second)  # the delivered batch, as it was
+    frames = back.frames_of(back.get_batch(2, batch_id=2))
+    assert [t.id for t in (from_msgpack(f, Trajectory) for f in frames)] == ids(second)
+    back.add(traj("e", 1))  # the pending group completes after the restart
+    assert back.metrics()["ready"] == 6
+    back.close()
 
 
 def test_torn_tail_is_cut_and_damage_is_an_error(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from transport_helpers import RawPeer, make_trajectory, server_thread
 
 from slime_async.buffer import BufferClient
 from slime_async.transport import AsyncSender, Rejected, RejectReason, decode_trajectory
+from slime_async.transport import protocol as p
 from slime_async.types import to_msgpack
 
 
@@ -62,6 +63,25 @@ def test_server_rejects_counts_tells_and_keeps_running() -> None:
             for reason in sent.values():
                 assert m[f"rejected_{reason}"] == 1, m
             assert m["rejected_bad_message"] == 3 and m["received"] == 1, m
+        finally:
+            peer.close()
+
+
+def test_a_bad_frame_in_a_batch_is_nacked_alone_and_a_bad_envelope_is_counted() -> None:
+    with server_thread(max_frame_bytes=20_000) as server:
+        peer = RawPeer(server.endpoint)
+        try:
+            frames = [to_msgpack(make_trajectory(1)), b"\xc1 garbage", to_msgpack(make_trajectory(2))]
+            seqs = peer.send_many(frames)
+            answers = peer.answers(3)
+            assert [answers[s][0] for s in seqs] == ["ack", "nack", "ack"], answers
+            assert answers[seqs[1]][1].startswith("garbage:")
+            # Three frames but two sequence numbers: nothing can be acked or nacked; counted, survived.
+            peer.sock.send_multipart([p.DATA, p.pack_u64(1), p.pack_seqs([90, 91]), *frames])
+            last = peer.send_data(to_msgpack(make_trajectory(3)))
+            assert peer.answers(1)[last] == ("ack", "")
+            m = server.metrics()
+            assert (m["received"], m["rejected_garbage"], m["rejected_bad_message"]) == (3, 1, 1), m
         finally:
             peer.close()
 

@@ -73,7 +73,7 @@ def test_sync_sender_reconnects_when_the_server_falls_silent(tmp_path: Path) -> 
 
 
 def test_sender_core_requeues_unacked_items_in_a_new_session() -> None:
-    core = SenderCore("w", heartbeat_s=1, heartbeat_timeout_s=5)
+    core = SenderCore("w", heartbeat_s=1, heartbeat_timeout_s=5, batch_items=1)
     core.new_session(0.0)
     for k in range(4):
         core.enqueue(f"t{k}", b"frame")
@@ -95,3 +95,23 @@ def test_sender_core_requeues_unacked_items_in_a_new_session() -> None:
     core.on_message([p.NACK, p.pack_u64(3), b"invalid: bad"], 0.5)
     assert core.all_acked() and core.stats.acked == 3 and core.stats.nacked_by_reason == {"invalid": 1}
     assert core.server_dead(0.5 + 5.1) and not core.server_dead(0.5 + 4.9)
+
+
+def test_sender_core_batches_items_within_credits_count_and_bytes() -> None:
+    core = SenderCore("w", batch_items=4, batch_bytes=250)
+    core.new_session(0.0)
+    for k in range(10):
+        core.enqueue(f"t{k}", bytes([k]) * 100)
+    core.on_message([p.GRANT, p.pack_u64(1), p.pack_u64(7)], 0.1)
+    msgs = []
+    while (msg := core.next_data()) is not None:
+        msgs.append(msg)
+    # 250 bytes fit two 100-byte frames; seven credits: 2 + 2 + 2 + 1 items, frames in seq order
+    assert [p.unpack_seqs(m[2], len(m) - 3) for m in msgs] == [[0, 1], [2, 3], [4, 5], [6]]
+    assert all(m[3 + i] == bytes([s]) * 100 for m in msgs for i, s in enumerate(p.unpack_seqs(m[2], len(m) - 3)))
+    assert core.credit() == 0 and core.stats.sent == 7
+    core.not_sent(msgs[-1])  # the socket refused the last message: its item goes back, first in line
+    core.not_sent(msgs[-2])
+    assert list(core.queue)[:4] == [4, 5, 6, 7] and core.credit() == 3 and core.stats.sent == 4
+    core.on_message([p.ACK, p.encode(p.Ack(seqs=[4]))], 0.2)  # acked while queued: skipped, not sent
+    assert p.unpack_seqs(core.next_data()[2], 2) == [5, 6]

@@ -57,6 +57,13 @@ class RawPeer:
         self.sock.send_multipart([p.DATA, p.pack_u64(1), p.pack_u64(self.seq), payload])
         return self.seq
 
+    def send_many(self, payloads: list[bytes]) -> list[int]:
+        """One DATA message carrying all `payloads`; returns their sequence numbers."""
+        seqs = list(range(self.seq + 1, self.seq + 1 + len(payloads)))
+        self.seq += len(payloads)
+        self.sock.send_multipart([p.DATA, p.pack_u64(1), p.pack_seqs(seqs), *payloads])
+        return seqs
+
     def answers(self, n: int, timeout_s: float = 10.0) -> dict[int, tuple[str, str]]:
         """Wait for the ACK or NACK of `n` DATA messages: seq -> ("ack", "") or ("nack", reason)."""
         out: dict[int, tuple[str, str]] = {}

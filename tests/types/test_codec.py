@@ -105,6 +105,15 @@ def test_arrays_travel_as_raw_bytes_of_the_right_dtype() -> None:
     np.testing.assert_array_equal(back.logprobs, turn.logprobs)
 
 
+def test_decoded_arrays_are_read_only_views_of_the_frame() -> None:
+    # Zero-copy decode: the buffer server keeps frames, and a copy per array would double its memory.
+    frame = to_msgpack(make_turn(n_prompt=100, n_completion=100))
+    back = from_msgpack(frame, Turn)
+    for arr in (back.prompt_ids, back.completion_ids, back.logprobs, back.versions):
+        assert np.shares_memory(arr, np.frombuffer(frame, np.uint8)), arr
+        assert not arr.flags.writeable
+
+
 def test_lists_become_arrays_and_mask_defaults_to_ones() -> None:
     turn = Turn(prompt_ids=[1, 2], completion_ids=[3, 4, 5], logprobs=[-0.5, -1.0, 0.0], versions=[0, 0, 1])
     assert turn.completion_ids.dtype == np.dtype("<i4")
