@@ -6,9 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench clean
 
-# The main job on the embedded default: every part as a process (buffer, embedded engine, trainer,
-# rollout worker), fully asynchronous, into runs/local. (The supervised warm-start that makes the
-# tiny model learn the calculator task arrives with issue #8.)
+# The main job on the embedded default: a supervised warm-start (cached), then every part as a
+# process (buffer, embedded engine, trainer, rollout worker, eval), fully asynchronous, into runs/local.
 run: $(STAMP)
 	$(BIN)/slime-async train configs/local.yaml --overwrite
 
