@@ -40,6 +40,9 @@ from slime_async.types import Group, Trajectory, from_msgpack, to_msgpack
 
 log = logging.getLogger(__name__)
 
+_SETTLED_KEPT = 4096
+"""Settled batch ids remembered: far more than the requests a trainer can have in flight."""
+
 STALE = "stale"
 LATE = "late"
 
@@ -129,6 +132,10 @@ class Buffer:
         self._pending: dict[str, _Pending] = {}
         self._ready: OrderedDict[str, Group] = OrderedDict()
         self._delivered: dict[int, Batch] = {}
+        self._settled: OrderedDict[int, None] = OrderedDict()
+        """The latest batch ids reported trained or returned. The trainer's client resends a GET until
+        it is answered, so a resend can arrive after its batch was trained: it must not be handed a
+        new batch under the old id, which nobody would ever train (trajectories lost in `delivered`)."""
         self._min_version: dict[str, int | None] = {}
         """Oldest token version of each ready or delivered group, computed once at release (hot path)."""
         self._frames: dict[str, Frame] = {}
@@ -287,6 +294,8 @@ class Buffer:
             raise ValueError(f"get_batch: num_trajectories must be >= 1, got {num_trajectories}")
         if batch_id in self._delivered:
             return self._delivered[batch_id]
+        if batch_id in self._settled:
+            return None  # a late resend of a request already answered and settled: nothing more for it
         self._evict_stale()
         if self.ready_trajectories() < num_trajectories:
             return None
@@ -340,6 +349,7 @@ class Buffer:
         """
         record = _Version(version, list(trained), restarted, list(returned))
         self._log(RecordType.VERSION, msgspec.msgpack.encode(record))
+        self._settle([*trained, *returned])
         for batch_id in trained:
             batch = self._delivered.pop(batch_id, None)
             if batch is not None:
@@ -362,6 +372,16 @@ class Buffer:
         self._evict_stale()
         if self._compaction_due():
             self.compact()
+
+    def is_settled(self, batch_id: int) -> bool:
+        """Whether `batch_id` was handed out and then reported trained or returned (among the latest)."""
+        return batch_id in self._settled
+
+    def _settle(self, batch_ids: list[int] | tuple[int, ...]) -> None:
+        for b in batch_ids:
+            self._settled[b] = None
+        while len(self._settled) > _SETTLED_KEPT:
+            self._settled.popitem(last=False)
 
     def _compaction_due(self) -> bool:
         """After `compact_every` trained, and once the live part is at most a quarter of the log.
@@ -386,6 +406,7 @@ class Buffer:
             released=list(self._released), pending=[p.trajectories for p in self._pending.values()],
             ready=list(self._ready.values()),
             delivered=[(b.batch_id, b.version, b.groups) for b in self._delivered.values()], frames=self._frames,
+            settled=list(self._settled),
         )
         before = self.wal.size_bytes
         self.wal.rewrite([(RecordType.SNAPSHOT_FRAMES, snapshot.encode(state))])
@@ -403,6 +424,7 @@ class Buffer:
         self._pending = {ts[0].group_id: _Pending(ts, now) for ts in snap.pending if ts}
         self._ready = OrderedDict((g.group_id, g) for g in snap.ready)
         self._delivered = {b: Batch(b, v, gs) for b, v, gs in snap.delivered}
+        self._settled = OrderedDict.fromkeys(snap.settled)
         groups = [*self._ready.values(), *(g for b in self._delivered.values() for g in b.groups)]
         self._min_version = {g.group_id: group_min_version(g) for g in groups}
         self._n = Counter(

@@ -228,6 +228,8 @@ class BufferServer:
             if w.request.request_id == req.request_id:
                 w.ident = ident  # a resend of a request we are already waiting on
                 return
+        if self.buffer.is_settled(req.request_id):
+            return  # a resend that crossed its answer: the batch is already trained or handed back
         if req.request_id in self._timed_out:
             self.sock.send_multipart([ident, p.TIMEOUT, p.pack_u64(req.request_id)])
             return
@@ -238,6 +240,8 @@ class BufferServer:
         still: list[_Waiting] = []
         for w in self._waiting:
             req = w.request
+            if self.buffer.is_settled(req.request_id):
+                continue  # answered, and settled by a VERSION handled in the same step
             batch = self.buffer.get_batch(req.num_trajectories, req.request_id)
             if batch is not None:
                 self.buffer.commit()  # the delivery is on disk before the trainer can see it

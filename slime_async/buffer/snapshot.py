@@ -12,7 +12,7 @@ Payload of a `SNAPSHOT_FRAMES` record: u32 header length, the `_Header` (msgpack
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -37,6 +37,8 @@ class SnapshotState:
     ready: list[Group]
     delivered: list[tuple[int, int, list[Group]]]
     frames: dict[str, Frame]
+    settled: list[int] = field(default_factory=list)
+    """The latest batch ids reported trained or returned (see `Buffer.is_settled`)."""
 
 
 class _GroupHeader(msgspec.Struct, array_like=True):
@@ -57,6 +59,7 @@ class _Header(msgspec.Struct, kw_only=True):
     pending: list[_GroupHeader]
     ready: list[_GroupHeader]
     delivered: list[tuple[int, int, list[_GroupHeader]]]
+    settled: list[int] = []
 
 
 class _SnapshotV1(msgspec.Struct, kw_only=True):
@@ -89,6 +92,7 @@ def encode(state: SnapshotState) -> list[Frame]:
         pending=[header(ts[0].group_id, ts[0].task_id, ts) for ts in state.pending if ts],
         ready=[header(g.group_id, g.task_id, g.trajectories) for g in state.ready],
         delivered=[(b, v, [header(g.group_id, g.task_id, g.trajectories) for g in gs]) for b, v, gs in state.delivered],
+        settled=state.settled,
     )
     head_bytes = msgspec.msgpack.encode(head)
     return [_U32.pack(len(head_bytes)), head_bytes, *frames]
@@ -120,7 +124,7 @@ def decode(payload: bytes) -> SnapshotState:
         raise ValueError(f"snapshot: {len(payload) - offset} bytes left after the last frame")
     return SnapshotState(
         head.version, head.received, head.trained, head.partial_groups, head.dropped, head.seen, head.released,
-        pending, ready, delivered, frames,
+        pending, ready, delivered, frames, head.settled,
     )
 
 
