@@ -76,6 +76,8 @@ class WeightSink(Protocol):
 
     async def restore_memory(self, weights: NamedWeights, version: int) -> PublishReport: ...
 
+    async def close(self) -> None: ...
+
 
 class RankSync(Protocol):
     """What the loop needs from the trainer ranks' control group (`ranks.ControlGroup`)."""

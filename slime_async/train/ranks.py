@@ -229,6 +229,9 @@ class LeaderSink:
         await self._done(report)
         return report
 
+    async def close(self) -> None:
+        await self.inner.close()
+
 
 class FollowerSink:
     """A follower's `WeightSink`: joins each export rank 0 makes, returns rank 0's result."""
@@ -259,3 +262,6 @@ class FollowerSink:
 
     async def restore_memory(self, weights: NamedWeights, version: int) -> PublishReport:
         return await asyncio.to_thread(self._follow, weights, PublishReport)
+
+    async def close(self) -> None:
+        """Nothing to close: rank 0 holds the connections."""

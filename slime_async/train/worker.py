@@ -152,6 +152,8 @@ async def lead(cfg: Config, buffer: str, engines: list[str], ranks: ControlGroup
     print(f"DONE version={trainer.version} counters={dict(trainer.counters)}", flush=True)
     client.close()
     metrics.close()
+    if trainer.publisher is not None:
+        await trainer.publisher.close()
     return 0
 
 
