@@ -330,9 +330,16 @@ class TrainConfig(_Section):
     world_size: PositiveInt = 1
     """Trainer ranks (processes joined by torch.distributed, one GPU each under Ray). The torch
     backend trains on one rank; the megatron backend splits the ranks into its parallel groups.
-    More than one needs `slime-async train --ray`."""
+    Rank 0 alone reads the buffer and publishes weights; it hands each batch to the others
+    (`slime_async.train.ranks`). More than one needs `slime-async train --ray`."""
     batch_timeout_s: PositiveFloat = 5.0
     """How long one `get_batch` call waits before the loop checks engines and asks again."""
+    control_timeout_s: PositiveFloat | None = None
+    """With several ranks: how long a follower rank waits for rank 0's next message (a batch, a weight
+    export, a stop decision) before it gives up with an error (rank 0 hung; a rank 0 that died is
+    noticed at once). Must cover rank 0's longest lone stretch: a `get_batch` wait or one publish with
+    all its retries. None: 300 s, or that worst case plus a minute when longer
+    (`slime_async.train.ranks.control_timeout`)."""
     checkpoint_every: NonNegativeInt = 50
     """Save a checkpoint every this many steps; 0 only at the end."""
     keep_checkpoints: PositiveInt = 2
@@ -361,6 +368,10 @@ class SyncConfig(_Section):
     disk_dir: str | None = None
     """Where disk mode writes `v<version>/model.safetensors` (a filesystem the engines share).
     None: `<run dir>/weights`."""
+    give_up_after: NonNegativeInt = 0
+    """Stop the trainer with an error once this many publishes in a row (after their retries) left
+    some engine behind; 0: never (a dead engine is counted in `publish_failures` and caught up by
+    the next publish or an idle reconcile)."""
     keep_disk_versions: PositiveInt = 2
     """Disk mode keeps this many newest versions (an engine may still be reading the previous one)."""
     nccl_master_address: str = "127.0.0.1"

@@ -10,7 +10,9 @@ Owns:
 - `backend` (the interface) and `torch_backend`: model, optimizer, device, micro-batching.
 - `loop`: the continuous `Trainer` over a `BatchSource` (the buffer implements it), publishing
   through `sync`; `checkpoint`: save/resume with the opaque state of other parts; `build`:
-  `build_trainer(config, source, engine_urls)`; `memory_source`: an in-memory `BatchSource`.
+  `build_trainer(config, source, engine_urls)`; `memory_source`: an in-memory `BatchSource`;
+  `ranks`: several trainer ranks on one loop (rank 0 reads the buffer and publishes, the others
+  follow over a gloo control group).
 - `tiny_model`: the local model that `slime-async init-model` makes.
 
 Does not own: inference; how weights travel to engines (`sync`); which trajectories are ready or

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slime_async.config.schema import Config
 from slime_async.sync.publisher import WeightPublisher
 from slime_async.train.backend import TrainerBackend
-from slime_async.train.loop import BatchSource, Stateful, Trainer
+from slime_async.train.loop import BatchSource, Stateful, Trainer, WeightSink
+
+if TYPE_CHECKING:
+    from slime_async.train.ranks import ControlGroup
 
 
 def build_backend(config: Config, model_path: str | Path | None = None) -> TrainerBackend:
@@ -46,25 +50,44 @@ def build_publisher(config: Config, engine_urls: list[str]) -> WeightPublisher:
 
 def build_trainer(
     config: Config,
-    source: BatchSource,
+    source: BatchSource | None,
     engine_urls: list[str],
     *,
     extra_state: dict[str, Stateful] | None = None,
     backend: TrainerBackend | None = None,
+    ranks: ControlGroup | None = None,
 ) -> Trainer:
     """A `Trainer` over `source`, publishing to `engine_urls` (none: no publishing), checkpointing
-    under `<run.dir>/<run.name>/checkpoints`. Call `trainer.resume()` then `await trainer.run()`."""
+    under `<run.dir>/<run.name>/checkpoints`. Call `trainer.resume()` then `await trainer.run()`.
+
+    With `ranks` (several trainer ranks) rank 0's `source` and publisher are shared with the others
+    through it; on the other ranks `source` is not used (pass None) and nothing is published."""
     from slime_async.train.loop import seed_everything
+    from slime_async.train.ranks import FollowerSink, FollowerSource, LeaderSink, LeaderSource
 
     seed_everything(config.run.seed)
-    return Trainer(
+    publisher: WeightSink | None = None
+    if ranks is not None and not ranks.leader:
+        source = FollowerSource(ranks)
+        publisher = FollowerSink(ranks) if engine_urls else None
+    else:
+        if source is None:
+            raise ValueError("build_trainer: rank 0 needs a batch source")
+        publisher = build_publisher(config, engine_urls) if engine_urls else None
+        if ranks is not None:
+            source = LeaderSource(source, ranks)
+            publisher = LeaderSink(publisher, ranks) if publisher is not None else None
+    trainer = Trainer(
         config.train,
         backend if backend is not None else build_backend(config),
         source,
         batch_size=config.rollout.batch_size,
         temperature=config.rollout.sampling.temperature,
-        publisher=build_publisher(config, engine_urls) if engine_urls else None,
+        publisher=publisher,
         checkpoint_dir=run_dir(config) / "checkpoints",
         extra_state=extra_state,
         release_memory=bool(config.sync.release_memory),
+        ranks=ranks,
     )
+    trainer.give_up_after = config.sync.give_up_after
+    return trainer

@@ -5,9 +5,11 @@ Layout of one checkpoint, `<root>/step_<version, 8 digits>/`:
   `/update_weights_from_disk`, and `optimizer.pt`);
 - `state.json`: the version, the trainer's counters and `extra` (one JSON-able dict per named
   part: the data source's offset, the buffer's WAL position, ...), written by their owners;
-- `rng.pt`: torch (CPU and CUDA), numpy and Python RNG states.
+- `rng.pt`: torch (CPU and CUDA), numpy and Python RNG states (`rng_rank<R>.pt` for rank R > 0).
 A checkpoint is written in a temporary directory and renamed whole: a crash mid-save leaves the
-previous checkpoint as the latest.
+previous checkpoint as the latest. With several trainer ranks every rank calls `save_checkpoint`
+(the backend's save is collective) into the same temporary directory on a filesystem they share;
+rank 0 alone writes `state.json`, renames it and prunes, between barriers.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import random
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,28 +62,49 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     extra: dict[str, dict[str, Any]],
     keep: int = 2,
+    *,
+    rank: int = 0,
+    barrier: Callable[[], None] | None = None,
 ) -> Path:
-    """Write `root/step_<version>` atomically; keep the `keep` newest. Returns its path."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Write `root/step_<version>` atomically; keep the `keep` newest. Returns its path. With several
+    ranks, each calls this with its `rank` and a `barrier` over all of them."""
     final = root / f"step_{version:08d}"
-    tmp = root / f".step_{version:08d}.{uuid.uuid4().hex[:8]}.tmp"
+    if barrier is None:
+        tmp = root / f".step_{version:08d}.{uuid.uuid4().hex[:8]}.tmp"
+    else:  # one name every rank knows; a leftover of a crashed save is cleared first
+        tmp = root / f".step_{version:08d}.ranks.tmp"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()
+    root.mkdir(parents=True, exist_ok=True)
     try:
         backend.save(tmp / "model")
-        try:
-            text = json.dumps({"version": version, "trainer": trainer_state, "extra": extra}, indent=1)
-        except TypeError as exc:
-            raise ValueError(f"checkpoint extra state must be JSON-serialisable: {exc}") from None
-        (tmp / "state.json").write_text(text)
-        torch.save(rng_state(), tmp / "rng.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        torch.save(rng_state(), tmp / _rng_file(rank))
+        if barrier is not None:
+            barrier()  # every rank's files are in before rank 0 renames the directory
+        if rank == 0:
+            try:
+                text = json.dumps({"version": version, "trainer": trainer_state, "extra": extra}, indent=1)
+            except TypeError as exc:
+                raise ValueError(f"checkpoint extra state must be JSON-serialisable: {exc}") from None
+            (tmp / "state.json").write_text(text)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    if rank == 0:
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    if barrier is not None:
+        barrier()  # the checkpoint is complete for everyone who looks next
     return final
+
+
+def _rng_file(rank: int) -> str:
+    return "rng.pt" if rank == 0 else f"rng_rank{rank}.pt"
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -96,13 +120,14 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: Path, backend: TrainerBackend) -> dict[str, Any]:
-    """Restore the backend and the RNGs from `path`; returns the `state.json` dict
-    (`version`, `trainer`, `extra`)."""
+def load_checkpoint(path: Path, backend: TrainerBackend, rank: int = 0) -> dict[str, Any]:
+    """Restore the backend and the RNGs (this `rank`'s own when saved, else rank 0's) from `path`;
+    returns the `state.json` dict (`version`, `trainer`, `extra`)."""
     state_file = path / "state.json"
     if not state_file.is_file():
         raise ValueError(f"checkpoint {path}: no state.json (not a complete checkpoint)")
     state = json.loads(state_file.read_text())
     backend.load(path / "model")
-    set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    rng = path / _rng_file(rank)
+    set_rng_state(torch.load(rng if rng.is_file() else path / "rng.pt", weights_only=True))
     return state

@@ -6,6 +6,10 @@
     publish weights as the new version to every engine; source.set_version(version)
     checkpoint when due
 
+With several ranks (`train.world_size`), every rank runs this loop over its own backend; rank 0's
+source and publisher are the real ones and the others' are stand-ins fed by rank 0 (`ranks`), and
+each pass of the loop begins with a shared decision to go on or stop (`RankSync.decide`).
+
 The version is the number of applied optimizer steps. It reaches the engines with the weights
 (`weight_version`), where the rollout scheduler's admission control reads it, and the buffer through
 `BatchSource.set_version` (its staleness filter). Blocking work (get_batch, forward/backward) runs in
@@ -21,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import IntEnum
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -71,6 +76,41 @@ class WeightSink(Protocol):
 
     async def restore_memory(self, weights: NamedWeights, version: int) -> PublishReport: ...
 
+    async def close(self) -> None: ...
+
+
+class RankSync(Protocol):
+    """What the loop needs from the trainer ranks' control group (`ranks.ControlGroup`)."""
+
+    rank: int
+
+    @property
+    def leader(self) -> bool: ...
+
+    def decide(self, vote: int) -> int:
+        """Collective: every rank's vote, the largest returned to all."""
+        ...
+
+    def agree(self, value: str | None) -> str | None:
+        """Collective: rank 0's value on every rank."""
+        ...
+
+    def barrier(self) -> None: ...
+
+
+class Stop(IntEnum):
+    """A rank's vote at the top of each pass; the largest over the ranks is what all of them do."""
+
+    GO = 0
+    FINISHED = 1
+    """`train.steps` or `train.time_limit_s` reached: a final checkpoint is written."""
+    ASKED = 2
+    """`stop()` (SIGTERM, SIGINT): end after the batch in progress, no final checkpoint."""
+
+
+class PublishGaveUp(RuntimeError):
+    """`sync.give_up_after` publishes in a row left engines behind."""
+
 
 @dataclass
 class StepRecord:
@@ -108,6 +148,7 @@ class Trainer:
         extra_state: dict[str, Stateful] | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
         release_memory: bool = False,
+        ranks: RankSync | None = None,
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"rollout.sampling.temperature: the trainer needs > 0 to compute logprobs, got "
@@ -123,6 +164,12 @@ class Trainer:
         self.on_step = on_step
         self.release_memory = release_memory and publisher is not None
         """Engines give their GPU memory back while this trainer computes (they share its GPUs)."""
+        self.ranks = ranks
+        """The other trainer ranks (None: this is the only one)."""
+        self.give_up_after = 0
+        """`sync.give_up_after` (set by `build_trainer`)."""
+        self._failed_publishes: dict[str, str] = {}
+        self._failed_in_a_row = 0
         self.objective = Objective(cfg)
         self.version = 0
         self.counters: Counter[str] = Counter()
@@ -137,9 +184,12 @@ class Trainer:
         """Load `path` (or the latest checkpoint under `checkpoint_dir`); False when there is none."""
         if path is None:
             path = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
+            if self.ranks is not None:  # rank 0's choice: a save in progress must not split the ranks
+                agreed = self.ranks.agree(str(path) if path is not None else None)
+                path = Path(agreed) if agreed is not None else None
             if path is None:
                 return False
-        state = load_checkpoint(path, self.backend)
+        state = load_checkpoint(path, self.backend, rank=self.ranks.rank if self.ranks else 0)
         self.version = int(state["version"])
         self.counters = Counter(state["trainer"].get("counters", {}))
         for name, part in self.extra_state.items():
@@ -153,8 +203,10 @@ class Trainer:
         if self.checkpoint_dir is None:
             raise ValueError("no checkpoint directory configured")
         extra = {name: part.state_dict() for name, part in self.extra_state.items()}
+        ranks = self.ranks
         return save_checkpoint(self.checkpoint_dir, self.version, self.backend,
-                               {"counters": dict(self.counters)}, extra, keep=self.cfg.keep_checkpoints)
+                               {"counters": dict(self.counters)}, extra, keep=self.cfg.keep_checkpoints,
+                               rank=ranks.rank if ranks else 0, barrier=ranks.barrier if ranks else None)
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -176,9 +228,11 @@ class Trainer:
             behind = await self.publisher.reconcile(self.backend.named_weights, self.version)
             self.counters["engines_reconciled"] += len(behind)
         self.source.set_version(self.version)
-        while self.version < target and not self._stop.is_set():
-            if time.monotonic() >= deadline:
-                log.info("train.time_limit_s (%.0f s) reached at version %d", limit, self.version)
+        while True:
+            vote = await self._decide(target, deadline)
+            if vote == Stop.FINISHED and self.version < target:
+                log.info("train.time_limit_s (%s s) reached at version %d", limit, self.version)
+            if vote != Stop.GO:
                 break
             record = await self.step(max_steps=target - self.version)
             if record is None:
@@ -192,8 +246,24 @@ class Trainer:
             every = self.cfg.checkpoint_every
             if self.checkpoint_dir is not None and every and record.applied and self.version % every == 0:
                 await asyncio.to_thread(self.save)
-        if self.checkpoint_dir is not None and not self._stop.is_set():
+        if self.checkpoint_dir is not None and vote != Stop.ASKED:
             await asyncio.to_thread(self.save)
+
+    async def _decide(self, target: int, deadline: float) -> Stop:
+        """This rank's vote, shared with the others: every rank stops after the same step."""
+        if self._failed_in_a_row and self._failed_in_a_row >= self.give_up_after > 0 and (
+                self.ranks is None or self.ranks.leader):  # rank 0 decides; the others hear it as an abort
+            raise PublishGaveUp(f"sync.give_up_after={self.give_up_after}: {self._failed_in_a_row} publishes in a "
+                                f"row left engines behind: {self._failed_publishes}")
+        if self._stop.is_set():
+            vote = Stop.ASKED
+        elif self.version >= target or time.monotonic() >= deadline:
+            vote = Stop.FINISHED
+        else:
+            vote = Stop.GO
+        if self.ranks is not None:
+            vote = Stop(await asyncio.to_thread(self.ranks.decide, int(vote)))
+        return vote
 
     async def step(self, max_steps: int | None = None) -> StepRecord | None:
         """One batch: get it, train on it, publish. None when no batch came (or nothing in it trained)."""
@@ -238,6 +308,10 @@ class Trainer:
             record.publish = await self.publisher.publish(self.backend.named_weights, self.version)
         if record.publish is not None and record.publish.failed:
             self.counters["publish_failures"] += len(record.publish.failed)
+            self._failed_in_a_row += 1
+            self._failed_publishes = dict(record.publish.failed)
+        elif record.publish is not None:
+            self._failed_in_a_row = 0
         if record.applied:
             self.source.set_version(self.version)
         record.version = self.version

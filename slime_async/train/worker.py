@@ -9,6 +9,12 @@ to `<run dir>/metrics.jsonl` (mirrored to TensorBoard and wandb per `log:`), and
 `log.sample_every` steps a few of the batch's trajectories, decoded, to `<run dir>/samples.md`.
 SIGTERM/SIGINT end it after the batch in progress (a checkpoint is
 written at the end of a complete run).
+
+With `--world-size N > 1` (the megatron backend) rank 0 alone does the above that touches the buffer,
+the engines and the run's files; it hands each batch, each weight export and each stop decision to
+the other ranks over a gloo control group (`slime_async.train.ranks`), which train on the same
+batches in step with it. A SIGTERM to any rank ends them all after the same step; an error on rank
+0 ends the others with its message (exit code 1).
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slime_async.config import load_config
+from slime_async.config import Config, load_config
 from slime_async.train.distributed import DistInit, close_distributed, init_distributed
 from slime_async.train.loop import StepRecord
+from slime_async.train.ranks import ControlGroup, RanksAborted, control_timeout
 from slime_async.types import Trajectory
 
 log = logging.getLogger("slime_async.train.worker")
@@ -65,21 +72,64 @@ def metrics_line(record: StepRecord, counters: dict[str, int], started: float) -
 
 
 async def run_trainer(config_path: str, buffer: str, engines: list[str], dist: DistInit | None = None) -> int:
+    cfg = load_config(config_path)
+    ranks: ControlGroup | None = None
+    if dist is not None:
+        if dist.world_size > 1 and cfg.train.backend != "megatron":
+            raise ValueError(f"train.world_size={dist.world_size}: the {cfg.train.backend} backend trains on one "
+                             "rank; use train.backend=megatron for more")
+        # before the backend is built: a backend that splits ranks into parallel groups needs the
+        # default group (the megatron backend); the torch backend runs on one rank
+        init_distributed(dist)
+        if dist.world_size > 1:  # made first on every rank: new_group calls must come in the same order
+            ranks = ControlGroup(control_timeout(cfg))
+    if ranks is not None and not ranks.leader:
+        return await follow(cfg, engines, ranks)
+    try:
+        return await lead(cfg, buffer, engines, ranks)
+    except BaseException as exc:
+        if ranks is not None:  # the others wait on rank 0: they end with its error instead of a timeout
+            await asyncio.to_thread(ranks.abort, f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if dist is not None:
+            close_distributed()
+
+
+async def follow(cfg: Config, engines: list[str], ranks: ControlGroup) -> int:
+    """A rank other than 0: the same loop and backend calls, on the batches rank 0 hands out."""
+    from slime_async.train.build import build_trainer
+
+    try:
+        trainer = build_trainer(cfg, None, engines, ranks=ranks)
+        trainer.resume()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, trainer.stop)
+        print(f"READY version={trainer.version} rank={ranks.rank}", flush=True)
+        await trainer.run()
+    except RanksAborted as exc:
+        log.error("%s", exc)
+        print(f"ABORTED rank={ranks.rank}: {exc}", flush=True)
+        return 1
+    finally:
+        close_distributed()
+    print(f"DONE version={trainer.version} rank={ranks.rank}", flush=True)
+    return 0
+
+
+async def lead(cfg: Config, buffer: str, engines: list[str], ranks: ControlGroup | None) -> int:
+    """Rank 0 (or the only rank): the buffer, the engines, the metrics and samples."""
     from slime_async.buffer import BufferClient
     from slime_async.config.model_dir import load_tokenizer, resolve_model_path
     from slime_async.train.build import build_trainer, run_dir
     from slime_async.train.metrics_log import MetricsLog
     from slime_async.train.samples import append_samples
 
-    cfg = load_config(config_path)
-    if dist is not None:
-        # before the backend is built: a backend that splits ranks into parallel groups needs the
-        # default group (the megatron backend); the torch backend runs on one rank
-        init_distributed(dist)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
     client = BufferClient(buffer, curve_dir=cfg.buffer.curve_dir)
     source = BufferSource(client)
-    trainer = build_trainer(cfg, source, engines)
+    trainer = build_trainer(cfg, source, engines, ranks=ranks)
     resumed = trainer.resume()
     # a restarted trainer gets back the batches its predecessor received but never trained
     client.set_version(trainer.version, restarted=True)
@@ -102,8 +152,8 @@ async def run_trainer(config_path: str, buffer: str, engines: list[str], dist: D
     print(f"DONE version={trainer.version} counters={dict(trainer.counters)}", flush=True)
     client.close()
     metrics.close()
-    if dist is not None:
-        close_distributed()
+    if trainer.publisher is not None:
+        await trainer.publisher.close()
     return 0
 
 
