@@ -322,6 +322,11 @@ class TrainConfig(_Section):
     """Longest sequence (all turns, prompt and completion tokens) the trainer takes."""
     overlong: Literal["truncate", "skip"] = "truncate"
     """A longer trajectory is cut to `max_seq_len` or skipped; either is counted."""
+    mask_truncated: bool = False
+    """Train no token of an episode that ran out of tokens (stop reason `truncated` or `max_tokens`:
+    its reply never ended); its reward still counts in its group's baseline. DAPO's overlong
+    filtering (AReaL: `mask_no_eos_with_zero`): long cut-off replies then cannot dominate a
+    token-mean loss with negative advantages, a path to collapse into ever longer replies."""
     grad_clip: NonNegativeFloat = 1.0
     """Max gradient norm; 0 disables clipping."""
     weight_decay: NonNegativeFloat = 0.0

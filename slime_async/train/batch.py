@@ -15,7 +15,10 @@ from typing import Literal
 import numpy as np
 import torch
 
-from slime_async.types import Trajectory
+from slime_async.types import StopReason, Trajectory
+
+_OUT_OF_TOKENS = (StopReason.TRUNCATED, StopReason.MAX_TOKENS)
+"""Stop reasons of an episode cut short by its token budget: its reply never ended."""
 
 SkipReason = Literal["nan_reward", "nan_logprob", "bad_token", "overlong", "no_trainable_tokens"]
 
@@ -74,6 +77,9 @@ class BuildResult:
     """Trajectories left out, by reason (`SkipReason`)."""
     truncated: int
     """Trajectories cut to `max_seq_len` (still trained on the part that remains)."""
+    masked: int = 0
+    """Episodes that ran out of tokens, kept for their group's baseline with no token trained
+    (`mask_truncated`)."""
 
 
 def build_batch(
@@ -81,17 +87,21 @@ def build_batch(
     max_seq_len: int,
     overlong: Literal["truncate", "skip"] = "truncate",
     vocab_size: int | None = None,
+    mask_truncated: bool = False,
 ) -> BuildResult:
     """Rows for `trajectories`; bad ones are skipped with a counted reason, never raised.
 
     A trajectory is skipped when its reward is not finite, when a trained token's logprob is not
     finite (or positive), when a token id is outside `vocab_size`, when it is longer than
     `max_seq_len` and `overlong` is `skip`, or when nothing in it trains (after truncation).
+    With `mask_truncated`, an episode that ran out of tokens (`StopReason.TRUNCATED`, `MAX_TOKENS`)
+    keeps its row, so its reward still counts in its group's baseline, but none of its tokens trains.
     """
     if max_seq_len < 2:
         raise ValueError(f"train.max_seq_len: must be at least 2, got {max_seq_len}")
     skipped: Counter[str] = Counter()
     truncated = 0
+    masked = 0
     kept: list[tuple[Trajectory, np.ndarray, np.ndarray, np.ndarray]] = []
     for traj in trajectories:
         if not np.isfinite(traj.reward):
@@ -117,8 +127,13 @@ def build_batch(
         if not (mask > 0).any():
             skipped["no_trainable_tokens"] += 1
             continue
+        if mask_truncated and traj.stop_reason in _OUT_OF_TOKENS:
+            mask = np.zeros_like(mask)
+            masked += 1
         kept.append((traj, ids, logprobs, mask))
-    if not kept:
+    if not kept or masked == len(kept):
+        if masked:
+            skipped["no_trainable_tokens"] += masked
         return BuildResult(None, skipped, truncated)
     n, length = len(kept), max(len(k[1]) for k in kept)
     input_ids = torch.zeros(n, length, dtype=torch.int64)
@@ -147,4 +162,5 @@ def build_batch(
         ),
         skipped,
         truncated,
+        masked,
     )

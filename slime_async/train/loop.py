@@ -276,10 +276,13 @@ class Trainer:
                 self.counters["engines_reconciled"] += len(behind)
             return None
         built = build_batch(trajectories, self.cfg.max_seq_len, self.cfg.overlong,
-                            vocab_size=getattr(self.backend, "vocab_size", None))
+                            vocab_size=getattr(self.backend, "vocab_size", None),
+                            mask_truncated=self.cfg.mask_truncated)
         for reason, n in built.skipped.items():
             self.counters[f"skipped:{reason}"] += n
         self.counters["truncated"] += built.truncated
+        if built.masked:
+            self.counters["masked_truncated"] += built.masked
         batch = built.batch
         if batch is None:
             self.counters["empty_batches"] += 1

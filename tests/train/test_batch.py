@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from trajectories import make_trajectories
@@ -73,3 +74,17 @@ def test_first_token_never_trains() -> None:
                    turns=[Turn(prompt_ids=[], completion_ids=[4, 5], logprobs=[-1.0, -2.0], versions=[0, 0])])
     batch = build_batch([t], max_seq_len=8).batch
     assert batch is not None and batch.loss_mask.tolist() == [[0, 1]]
+
+
+def test_mask_truncated_keeps_the_reward_for_the_baseline_and_trains_none_of_the_tokens() -> None:
+    done = traj([1], [2, 3], [-1.0, -1.0], reward=1.0)
+    cut = msgspec.structs.replace(traj([1], [4, 5], [-1.0, -1.0], reward=0.0), stop_reason=StopReason.TRUNCATED)
+    budget = msgspec.structs.replace(traj([1], [6, 7], [-1.0, -1.0], reward=0.0), stop_reason=StopReason.MAX_TOKENS)
+    out = build_batch([done, cut, budget], max_seq_len=16, mask_truncated=True)
+    assert out.batch is not None and out.masked == 2 and not out.skipped
+    assert out.batch.rewards.tolist() == [1.0, 0.0, 0.0]  # the group's baseline still sees them
+    assert out.batch.loss_mask.sum(dim=1).tolist() == [2.0, 0.0, 0.0]
+    plain = build_batch([done, cut, budget], max_seq_len=16)
+    assert plain.masked == 0 and plain.batch is not None and plain.batch.num_trained_tokens == 6
+    alone = build_batch([cut], max_seq_len=16, mask_truncated=True)
+    assert alone.batch is None and dict(alone.skipped) == {"no_trainable_tokens": 1}
