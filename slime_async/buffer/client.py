@@ -110,7 +110,7 @@ class BufferClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, msg: list[bytes], request_id: int, timeout: float) -> tuple[bytes, list[bytes]]:
+    def _request(self, msg: list[bytes], request_id: int, timeout: float) -> tuple[p.Payload, list[p.Payload]]:
         deadline = time.monotonic() + timeout
         self._sock.send_multipart(msg)
         resend_at = time.monotonic() + self.retry_s
@@ -119,7 +119,7 @@ class BufferClient:
             if now >= deadline:
                 raise TimeoutError(f"buffer at {self.endpoint} did not answer within {timeout:.1f} s; is it running?")
             if self._sock.poll(max(1, int((min(deadline, resend_at) - now) * 1000)), zmq.POLLIN):
-                frames = self._sock.recv_multipart()
+                frames = p.recv_frames(self._sock)  # trajectories decode from ZeroMQ's buffer, no copy
                 if len(frames) >= 2 and len(frames[1]) == 8:
                     answered = p.unpack_u64(frames[1], "request id")
                     if answered == request_id:
@@ -133,7 +133,7 @@ class BufferClient:
                 resend_at = time.monotonic() + self.retry_s
 
 
-def _read_batch(frames: list[bytes]) -> Batch:
+def _read_batch(frames: list[p.Payload]) -> Batch:
     """A BATCH message's header and trajectory frames as a Batch of whole groups."""
     header = msgspec.msgpack.decode(frames[0], type=p.BatchHeader)
     payloads = frames[1:]

@@ -13,7 +13,10 @@ senders) and `commit` hands them to the OS in one writev, before any of them is 
   per trajectory); without it, up to the last few seconds of acked trajectories can be lost, which
   the senders cannot resend (they were acked). Compaction always fsyncs its new file before the rename.
 
-Record layout: u32 payload length, u32 crc32 of the payload, u8 record type, payload.
+Record layout: u32 payload length, u32 checksum of the payload, u8 record type, payload. The
+checksum is the low 32 bits of XXH3-64 when the type byte has `_XXH3` set (every record written
+now), else zlib's crc32 (files written before): crc32 cost ~17 CPU-us per 49 kB trajectory, a
+third of the server's own work per item, where XXH3 costs under 1.
 A record cut short at the end of the file (the process died mid-write) was never acknowledged:
 it is cut off with a warning. A bad checksum before the end means the file is damaged: that is an
 error naming the file and the offset, never a silent skip.
@@ -29,10 +32,15 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+import xxhash
+
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<IIB")
 _IOV_MAX = 1024  # buffers per writev (Linux's limit)
+_XXH3 = 0x80
+"""Flag in the record type byte: the checksum is XXH3-64's low 32 bits (else crc32)."""
+_LOW32 = 0xFFFFFFFF
 WAL_FILE = "buffer.wal"
 
 
@@ -88,12 +96,12 @@ class WriteAheadLog:
                 self._cut_tail(offset, len(data))
                 return
             payload = data[offset + _HEADER.size : end]
-            if zlib.crc32(payload) != crc or rtype not in RecordType._value2member_map_:
+            if _checksum(payload, rtype) != crc or rtype & ~_XXH3 not in RecordType._value2member_map_:
                 raise WALCorruptError(
                     f"{self.path}: damaged record at byte {offset} (checksum or type mismatch); "
                     "move the file aside to start an empty buffer, or restore it from a backup"
                 )
-            yield RecordType(rtype), payload
+            yield RecordType(rtype & ~_XXH3), payload
             offset = end
 
     def _cut_tail(self, offset: int, size: int) -> None:
@@ -105,7 +113,8 @@ class WriteAheadLog:
 
     def append(self, rtype: RecordType, payload: bytes | memoryview) -> None:
         """Queue a record; it is written at the next `commit` (the payload must stay unchanged until then)."""
-        self._pending.append(_HEADER.pack(len(payload), zlib.crc32(payload), rtype))
+        checksum = xxhash.xxh3_64_intdigest(payload) & _LOW32
+        self._pending.append(_HEADER.pack(len(payload), checksum, rtype | _XXH3))
         self._pending.append(payload)
         self._pending_bytes += _HEADER.size + len(payload)
 
@@ -131,10 +140,10 @@ class WriteAheadLog:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for rtype, parts in records:
-                crc = 0
+                h = xxhash.xxh3_64()
                 for part in parts:
-                    crc = zlib.crc32(part, crc)
-                bufs = [_HEADER.pack(sum(len(b) for b in parts), crc, rtype), *parts]
+                    h.update(part)
+                bufs = [_HEADER.pack(sum(len(b) for b in parts), h.intdigest() & _LOW32, rtype | _XXH3), *parts]
                 for start in range(0, len(bufs), _IOV_MAX):
                     chunk = bufs[start : start + _IOV_MAX]
                     done = os.writev(fd, chunk)
@@ -157,6 +166,13 @@ class WriteAheadLog:
     def close(self) -> None:
         self.commit()
         os.close(self._fd)
+
+
+def _checksum(payload: bytes | memoryview, rtype: int) -> int:
+    """The checksum a record of type byte `rtype` carries (see the module docstring)."""
+    if rtype & _XXH3:
+        return xxhash.xxh3_64_intdigest(payload) & _LOW32
+    return zlib.crc32(payload)
 
 
 def _write_rest(fd: int, chunk: list[bytes | memoryview], done: int) -> None:

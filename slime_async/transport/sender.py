@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from slime_async.transport import protocol as p
 from slime_async.transport.security import secure_client
 from slime_async.transport.sender_core import AckCallback, NackCallback, SenderCore, SenderStats
 from slime_async.types import Trajectory, to_msgpack
@@ -74,6 +75,7 @@ class _SenderBase:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # credits bound what is in flight; never block or drop in zmq
         sock.setsockopt(zmq.RCVHWM, 0)
+        p.zero_copy_sends(sock)  # trajectory frames leave from the bytes that `unacked` keeps anyway
         # A fresh routing id per socket: the server sees a reconnect as a new session.
         sock.setsockopt(zmq.ROUTING_ID, b"s" + os.urandom(8))
         sock.connect(self.endpoint)

@@ -260,6 +260,42 @@ def test_torn_tail_is_cut_and_damage_is_an_error(tmp_path: Path) -> None:
         Buffer.open(tmp_path, group_size=1, max_staleness=1)
 
 
+def test_a_wal_written_with_crc32_checksums_still_replays(tmp_path: Path) -> None:
+    # Files written before the XXH3 checksum carry crc32 and a plain type byte: they must replay,
+    # and damage in them must still be caught.
+    import zlib
+
+    from slime_async.buffer.wal import _HEADER, RecordType
+    from slime_async.types import to_msgpack
+
+    frames = [to_msgpack(traj(f"g{k}", 0)) for k in range(3)]
+    path = tmp_path / WAL_FILE
+    path.write_bytes(b"".join(_HEADER.pack(len(f), zlib.crc32(f), RecordType.TRAJECTORY) + f for f in frames))
+    back = Buffer.open(tmp_path, group_size=1, max_staleness=1)
+    assert balanced(back)["ready"] == 3
+    assert back.frames_of(back.get_batch(3, batch_id=1)) == frames
+    back.close()
+    damaged = bytearray(path.read_bytes())
+    damaged[20] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(WALCorruptError, match=r"damaged record at byte 0"):
+        Buffer.open(tmp_path, group_size=1, max_staleness=1)
+
+
+def test_new_records_carry_the_xxh3_checksum(tmp_path: Path) -> None:
+    import xxhash
+
+    from slime_async.buffer.wal import _HEADER, _XXH3, RecordType
+
+    buf = Buffer.open(tmp_path, group_size=1, max_staleness=1)
+    buf.add(traj("g", 0))
+    buf.close()
+    data = (tmp_path / WAL_FILE).read_bytes()
+    length, checksum, rtype = _HEADER.unpack_from(data)
+    assert rtype == RecordType.TRAJECTORY | _XXH3
+    assert checksum == xxhash.xxh3_64_intdigest(data[_HEADER.size : _HEADER.size + length]) & 0xFFFFFFFF
+
+
 def test_server_settings_come_from_the_config_tree(tmp_path: Path) -> None:
     from slime_async.buffer import ServerSettings
     from slime_async.config import ConfigError, load_config

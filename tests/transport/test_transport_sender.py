@@ -115,3 +115,36 @@ def test_sender_core_batches_items_within_credits_count_and_bytes() -> None:
     assert list(core.queue)[:4] == [4, 5, 6, 7] and core.credit() == 3 and core.stats.sent == 4
     core.on_message([p.ACK, p.encode(p.Ack(seqs=[4]))], 0.2)  # acked while queued: skipped, not sent
     assert p.unpack_seqs(core.next_data()[2], 2) == [5, 6]
+
+
+def test_large_frames_cross_without_a_copy_and_arrive_read_only() -> None:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://zero-copy")
+        b.connect("inproc://zero-copy")
+        p.zero_copy_sends(a)
+        assert a.copy_threshold == p.ZERO_COPY_BYTES
+        big = b"x" * p.ZERO_COPY_BYTES
+        a.send_multipart([p.DATA, big], copy=False)
+        small, large = p.recv_frames(b)
+        assert small == p.DATA and isinstance(small, bytes)
+        assert isinstance(large, memoryview) and large.readonly and large == big
+        with pytest.raises(TypeError):
+            large[0] = 0  # the buffer keeps received frames unchanged: trajectories decode as views of them
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+
+
+def test_sender_and_server_sockets_send_large_frames_without_a_copy() -> None:
+    with server_thread() as server, SyncSender(server.endpoint) as sender:
+        assert sender._sock is not None and sender._sock.copy_threshold == p.ZERO_COPY_BYTES
+        assert server.sock.copy_threshold == p.ZERO_COPY_BYTES
+        sent = make_trajectory(tokens=8192)  # ~65 kB: travels zero-copy both hops
+        sender.send(sent)
+        sender.flush(10)
+        with BufferClient(server.endpoint, retry_s=0.2) as client:
+            got = client.get_batch(1, timeout=5).groups[0].trajectories[0]
+        assert got.id == sent.id and (got.turns[0].completion_ids == sent.turns[0].completion_ids).all()
