@@ -66,6 +66,10 @@ class CalculatorArgs(EnvArgs):
     real tools, whose latency has a long tail."""
     tool_latency_p99: Annotated[float, msgspec.Meta(ge=1.0)] = 10.0
     """The injected delay's p99 as a multiple of its median (lognormal sigma = ln(this) / 2.326)."""
+    demo_tool_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    """Fraction of the demonstrations (`Env.demonstration`, the warm-start's) that call the tool; the
+    others answer at once, which a tiny model cannot do right. Below 1 the warm-started model often
+    skips the tool, and RL has to learn to use it. Which tasks: a hash of the task id."""
     limits: Limits = msgspec.field(default_factory=lambda: Limits(max_turns=4, max_total_tokens=512, max_tool_calls=4))
 
 
@@ -90,8 +94,8 @@ class CalculatorEnv(Env):
         return out
 
     @classmethod
-    def demonstration(cls, args: EnvArgs, task: Task) -> list[str]:
-        return demo_replies(task)
+    def demonstration(cls, args: CalculatorArgs, task: Task) -> list[str]:  # type: ignore[override]
+        return demo_replies(task, use_tool=_unit_hash(task.id) < args.demo_tool_fraction)
 
     @tool
     async def calculate(self, expression: Annotated[str, "arithmetic, e.g. 12*34+5"]) -> str:
@@ -153,6 +157,11 @@ async def demo_transcripts(
         env = CalculatorEnv(args)
         out.append(await run_episode(env, task, ScriptedPolicy(replies, tokenizer), tokenizer))
     return out
+
+
+def _unit_hash(text: str) -> float:
+    """A number in [0, 1) fixed by `text` (the same in every process, unlike `hash`)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
 
 
 def _generate(args: CalculatorArgs, seed: int) -> Iterator[Task]:

@@ -118,3 +118,16 @@ async def test_demo_transcripts_for_warm_start(tokenizer: Any) -> None:
     ids, _, mask = trajs[0].flat()
     text = tokenizer.decode(ids[mask == 1])
     assert text.endswith(f"The answer is {batch[0].answer}.<|im_end|>") and "<|im_start|>" not in text
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 1.0])
+async def test_demo_tool_fraction_mixes_direct_answers_into_the_demonstrations(tokenizer: Any, fraction: float) -> None:
+    args = CalculatorArgs(num_train=1000, demo_tool_fraction=fraction)
+    batch = CalculatorEnv.tasks(args, "train")
+    replies = [CalculatorEnv.demonstration(args, t) for t in batch]
+    with_tool = sum(len(r) > 1 for r in replies)
+    assert abs(with_tool / len(batch) - fraction) < 0.05  # a hash of the id: about binomial, sd 0.015
+    assert replies == [CalculatorEnv.demonstration(args, t) for t in batch]  # the same tasks every time
+    for task, script in zip(batch[:10], replies[:10], strict=True):  # every one of them still earns the reward
+        traj = await run(tokenizer, task, script)
+        assert traj.reward == 1.0 and traj.metrics["tool_calls"] == len(script) - 1
