@@ -80,7 +80,10 @@ class TemplateFacts:
         self.skeletons: dict[tuple[Any, ...], Skeleton | None] = {}
         """None: this shape cannot be a skeleton (new assistant calls, a refused rendering)."""
         self.stop_texts: dict[int, str] = {}
+        self.stop_ids = _stop_ids(tokenizer)
+        """Token ids that end a generation (the server includes the one that matched)."""
         self._fast = self._fast_tokenizer()
+        self._decoder = getattr(tokenizer, "_tokenizer", None) if _decodes_plainly(tokenizer) else None
 
     # ---- rendering and tokenizing ------------------------------------------------------------
 
@@ -95,6 +98,12 @@ class TemplateFacts:
         if self._fast is not None:  # the Rust tokenizer itself: the same ids, without ~15 us of wrapper
             return self._fast.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens included, as `tokenizer.decode` gives it."""
+        if self._decoder is not None:  # what the wrapper would call, without its ~4 us of argument handling
+            return self._decoder.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def stop_text(self, token: int) -> str:
         if token not in self.stop_texts:
@@ -205,6 +214,25 @@ class TemplateFacts:
         if _PROBE not in text:
             raise ValueError("the chat template does not render assistant messages' content; cannot keep their tokens")
         return text.split(_PROBE, 1)[1]
+
+
+def _stop_ids(tokenizer: Any) -> frozenset[int]:
+    candidates = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    return frozenset(i for i in candidates if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id)
+
+
+def _decodes_plainly(tokenizer: Any) -> bool:
+    """Whether `tokenizer.decode(ids, skip_special_tokens=False)` is its Rust tokenizer's decode and
+    nothing more: transformers' own fast-tokenizer `decode`, not overridden, without the clean-up
+    of spaces."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep the wrapper
+        return False
+    cls = type(tokenizer)
+    return (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is TokenizersBackend._decode and not tokenizer.clean_up_tokenization_spaces)
 
 
 def _fields(m: Message) -> list[str]:
