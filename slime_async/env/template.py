@@ -19,10 +19,14 @@ transforms of the words), and (b) its first `VERIFY_USES` uses agreed with a ful
 real conversation. A skeleton failing either is never used again (a full render each time). A
 template that rewrites history (drops earlier reasoning, like Qwen3's) gets no skeletons at all:
 its new branches need the whole conversation.
+
+Tokenizing the text a turn appends goes piece by piece between special tokens, each piece
+tokenized once (`slime_async.env.pieces`), where that is sure to give the tokenizer's own ids.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import weakref
@@ -30,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from slime_async.env.pieces import PieceEncoder
 from slime_async.types import Message, ToolCall
 
 log = logging.getLogger(__name__)
@@ -83,6 +88,7 @@ class TemplateFacts:
         self.stop_ids = _stop_ids(tokenizer)
         """Token ids that end a generation (the server includes the one that matched)."""
         self._fast = self._fast_tokenizer()
+        self._pieces = PieceEncoder.build(self._fast, self._probe_texts()) if self._fast is not None else None
         self._decoder = getattr(tokenizer, "_tokenizer", None) if _decodes_plainly(tokenizer) else None
 
     # ---- rendering and tokenizing ------------------------------------------------------------
@@ -95,6 +101,8 @@ class TemplateFacts:
 
     def encode(self, text: str) -> list[int]:
         """Special tokens in the text are recognised as such; no BOS/EOS is added around it."""
+        if self._pieces is not None:  # new pieces only, never the template's own (see `pieces`)
+            return self._pieces.encode(text)
         if self._fast is not None:  # the Rust tokenizer itself: the same ids, without ~15 us of wrapper
             return self._fast.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -176,6 +184,16 @@ class TemplateFacts:
         except Exception:
             return None
         return fast if same else None
+
+    def _probe_texts(self) -> list[str]:
+        """Renderings of the probe conversations (whole, and each one's last message alone), to
+        check a tokenizing shortcut against the tokenizer on the template's own text."""
+        out = []
+        for probe in _PROBES:
+            for messages in (probe, probe[-1:]):
+                with contextlib.suppress(Exception):  # a template refusing a shape: fewer probes
+                    out += [self.render(messages, False), self.render(messages, True)]
+        return out
 
     def _generation_prompt(self) -> str | None:
         """The generation prompt, when the template always appends the same text for it; else None.
