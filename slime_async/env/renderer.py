@@ -27,6 +27,9 @@ from slime_async.env.parsers import HermesParser, ParsedReply, ToolCallParser
 from slime_async.env.template import VERIFY_USES, facts_for
 from slime_async.types import Message
 
+_HERMES = HermesParser()
+"""The default parser; it keeps no state between replies, so every renderer shares it."""
+
 
 class Delta(msgspec.Struct, kw_only=True):
     """Tokens to append before the next model call."""
@@ -47,16 +50,15 @@ class Renderer:
             raise ValueError("the tokenizer has no chat template; the renderer needs the model's own template")
         self.tokenizer = tokenizer
         self.tools = tools or None
-        self.parser = parser or HermesParser()
+        self.parser = parser or _HERMES
         self.incremental = incremental
         self.messages: list[Message] = []
         self.ids: list[int] = []
         self._last_completion: list[int] = []
-        # Token ids that end a generation (the server includes the one that matched).
-        candidates = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        self.stop_ids = {i for i in candidates if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id}
         # Worked out once per (tokenizer, tools), shared by every episode.
         self.facts = facts_for(tokenizer, self.tools)
+        self.stop_ids = self.facts.stop_ids
+        """Token ids that end a generation (the server includes the one that matched)."""
         self._closer, self._gen_prompt = self.facts.closer, self.facts.gen_prompt
 
     def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
@@ -86,7 +88,7 @@ class Renderer:
         ids = list(completion_ids)
         if ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        return self.parser.parse(self.tokenizer.decode(ids, skip_special_tokens=False))
+        return self.parser.parse(self.facts.decode(ids))
 
     def add_completion(self, completion_ids: list[int], message: Message) -> None:
         """Record the server's tokens for an assistant turn, exactly, and the message they mean."""

@@ -19,10 +19,14 @@ transforms of the words), and (b) its first `VERIFY_USES` uses agreed with a ful
 real conversation. A skeleton failing either is never used again (a full render each time). A
 template that rewrites history (drops earlier reasoning, like Qwen3's) gets no skeletons at all:
 its new branches need the whole conversation.
+
+Tokenizing the text a turn appends goes piece by piece between special tokens, each piece
+tokenized once (`slime_async.env.pieces`), where that is sure to give the tokenizer's own ids.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import weakref
@@ -30,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from slime_async.env.pieces import PieceEncoder
 from slime_async.types import Message, ToolCall
 
 log = logging.getLogger(__name__)
@@ -80,7 +85,11 @@ class TemplateFacts:
         self.skeletons: dict[tuple[Any, ...], Skeleton | None] = {}
         """None: this shape cannot be a skeleton (new assistant calls, a refused rendering)."""
         self.stop_texts: dict[int, str] = {}
+        self.stop_ids = _stop_ids(tokenizer)
+        """Token ids that end a generation (the server includes the one that matched)."""
         self._fast = self._fast_tokenizer()
+        self._pieces = PieceEncoder.build(self._fast, self._probe_texts()) if self._fast is not None else None
+        self._decoder = getattr(tokenizer, "_tokenizer", None) if _decodes_plainly(tokenizer) else None
 
     # ---- rendering and tokenizing ------------------------------------------------------------
 
@@ -92,9 +101,17 @@ class TemplateFacts:
 
     def encode(self, text: str) -> list[int]:
         """Special tokens in the text are recognised as such; no BOS/EOS is added around it."""
+        if self._pieces is not None:  # new pieces only, never the template's own (see `pieces`)
+            return self._pieces.encode(text)
         if self._fast is not None:  # the Rust tokenizer itself: the same ids, without ~15 us of wrapper
             return self._fast.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens included, as `tokenizer.decode` gives it."""
+        if self._decoder is not None:  # what the wrapper would call, without its ~4 us of argument handling
+            return self._decoder.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def stop_text(self, token: int) -> str:
         if token not in self.stop_texts:
@@ -168,6 +185,16 @@ class TemplateFacts:
             return None
         return fast if same else None
 
+    def _probe_texts(self) -> list[str]:
+        """Renderings of the probe conversations (whole, and each one's last message alone), to
+        check a tokenizing shortcut against the tokenizer on the template's own text."""
+        out = []
+        for probe in _PROBES:
+            for messages in (probe, probe[-1:]):
+                with contextlib.suppress(Exception):  # a template refusing a shape: fewer probes
+                    out += [self.render(messages, False), self.render(messages, True)]
+        return out
+
     def _generation_prompt(self) -> str | None:
         """The generation prompt, when the template always appends the same text for it; else None.
 
@@ -205,6 +232,25 @@ class TemplateFacts:
         if _PROBE not in text:
             raise ValueError("the chat template does not render assistant messages' content; cannot keep their tokens")
         return text.split(_PROBE, 1)[1]
+
+
+def _stop_ids(tokenizer: Any) -> frozenset[int]:
+    candidates = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    return frozenset(i for i in candidates if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id)
+
+
+def _decodes_plainly(tokenizer: Any) -> bool:
+    """Whether `tokenizer.decode(ids, skip_special_tokens=False)` is its Rust tokenizer's decode and
+    nothing more: transformers' own fast-tokenizer `decode`, not overridden, without the clean-up
+    of spaces."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep the wrapper
+        return False
+    cls = type(tokenizer)
+    return (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is TokenizersBackend._decode and not tokenizer.clean_up_tokenization_spaces)
 
 
 def _fields(m: Message) -> list[str]:

@@ -9,7 +9,7 @@ version that produced it). Tokens are the truth: text is only ever derived from 
 from __future__ import annotations
 
 import enum
-import uuid
+import os
 from typing import Any, Literal
 
 import msgspec
@@ -34,7 +34,9 @@ JSON = Any
 
 def new_id() -> str:
     """A fresh random identifier (32 hex digits), unique across workers and restarts."""
-    return uuid.uuid4().hex
+    # 128 random bits from the OS, as uuid4 has (less its 6 fixed bits), without building a
+    # UUID object: 0.6 us instead of 2.4, and an episode takes three (group, trajectory, call).
+    return os.urandom(16).hex()
 
 
 class StopReason(enum.Enum):

@@ -5,6 +5,7 @@ only way out: no test depends on how fast this machine is."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from typing import Annotated, Any
 
@@ -305,6 +306,66 @@ async def test_one_stop_event_serves_many_episodes_and_a_reuse(tokenizer: Any) -
         traj = await asyncio.wait_for(waiting, 10)
         assert traj.stop_reason is StopReason.ABORTED
         stop.clear()
+
+
+class StopDuringTool(ToyEnv):
+    """Sets the stop event from inside a tool call, then finishes the tool after a few loop turns."""
+
+    def __init__(self, stop: asyncio.Event) -> None:
+        super().__init__()
+        self.stop = stop
+
+    @tool
+    async def sets_stop(self) -> str:
+        self.stop.set()
+        for _ in range(5):
+            await asyncio.sleep(0)  # a wrongly delivered cancellation would land here
+        self.events.append("tool finished")
+        return "ok"
+
+
+async def test_a_stop_during_a_tool_lets_it_finish_and_aborts_at_the_next_model_call(tokenizer: Any) -> None:
+    stop = asyncio.Event()
+    env = StopDuringTool(stop)
+    policy = ScriptedPolicy([call("sets_stop"), "5"], tokenizer)
+    traj = await run_episode(env, TASK, policy, tokenizer, stop=stop)
+    assert env.events == ["setup", "tool finished", "teardown"]
+    assert traj.stop_reason is StopReason.ABORTED and policy.calls == 1 and len(traj.turns) == 1
+
+
+class StubbornPolicy:
+    """Finishes its call even when cancelled (a policy that must not lose tokens)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.entered = asyncio.Event()
+        self.scripted = ScriptedPolicy(["5"], tokenizer)
+
+    async def generate(self, input_ids: np.ndarray, sampling: Sampling) -> Generation:
+        self.entered.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+        return await self.scripted.generate(input_ids, sampling)
+
+
+async def test_a_stop_into_a_call_that_swallows_it_aborts_and_leaves_no_pending_cancel(tokenizer: Any) -> None:
+    stop, policy = asyncio.Event(), StubbornPolicy(tokenizer)
+    task = asyncio.ensure_future(run_episode(ToyEnv(), TASK, policy, tokenizer, stop=stop))
+    await policy.entered.wait()
+    stop.set()
+    traj = await task
+    assert traj.stop_reason is StopReason.ABORTED and traj.turns == []  # as any call the stop caught
+    assert task.cancelling() == 0
+
+
+async def test_a_cancellation_with_a_stop_still_propagates(tokenizer: Any) -> None:
+    env, policy, stop = ToyEnv(), HangingPolicy(), asyncio.Event()
+    task = asyncio.ensure_future(run_episode(env, TASK, policy, tokenizer, stop=stop))
+    await policy.entered.wait()
+    stop.set()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert env.events == ["setup", "teardown"]
 
 
 class FailingSetup(ToyEnv):

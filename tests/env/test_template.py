@@ -154,3 +154,12 @@ def test_history_rewriting_template_gets_no_skeletons(tokenizer: Any) -> None:
                   "{{ message.content if loop.last else message.content.split('</think>')[-1] }}")
     assert not facts_for(tok, None).append_only
     assert facts_for(tokenizer, None).append_only
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 881), max_size=40))
+def test_facts_decode_like_the_tokenizer(tokenizer: Any, ids: list[int]) -> None:
+    facts = facts_for(tokenizer, None)
+    assert facts._decoder is not None  # the shortcut is taken for the tiny model's tokenizer
+    assert facts.decode(ids) == tokenizer.decode(ids, skip_special_tokens=False)
+    assert facts.stop_ids == {tokenizer.convert_tokens_to_ids("<|im_end|>")}

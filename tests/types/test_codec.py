@@ -19,6 +19,7 @@ from slime_async.types import (
     Turn,
     from_json,
     from_msgpack,
+    new_id,
     to_json,
     to_msgpack,
 )
@@ -192,6 +193,12 @@ def test_stop_reason_and_tool_call_ids() -> None:
     assert {r.value for r in StopReason} >= {"done", "max_turns", "parse_error", "server_error", "aborted"}
     assert ToolCall(name="a").id != ToolCall(name="a").id
     assert make_trajectory().id != make_trajectory().id
+
+
+def test_new_id_is_32_hex_digits_and_fresh_each_time() -> None:
+    ids = [new_id() for _ in range(10_000)]
+    assert all(len(i) == 32 and int(i, 16) >= 0 and i == i.lower() for i in ids)
+    assert len(set(ids)) == len(ids)
 
 
 def test_trajectory_helpers() -> None:
