@@ -185,11 +185,38 @@ def _view(cfg: Config, run_dir: Path, started: float) -> Table:
                                  f"{sum(w['in_flight'] for w in workers)} in flight")
         table.add_row("rollout reward", f"{sum(recent) / len(recent):.3f} (last 256 episodes)" if recent else "-")
         table.add_row("groups", f"{sum(w['groups_sent'] for w in workers)} sent, {dropped} dropped (filtered/failed)")
+    now = time.time()
+    hint = stall_hint(last.get("time"), now - (time.monotonic() - started), now, workers)
+    if hint:
+        table.add_row("[yellow]stalled[/]", f"[yellow]{hint}[/]")
     evals = read_metrics(run_dir / "eval.jsonl")
     if evals:
         scores = ", ".join(f"{k.split('/')[1]} {v:.1%}" for k, v in evals[-1].items() if k.endswith("/pass@1"))
         table.add_row("held-out eval", f"{scores} at version {evals[-1]['version']}")
     return table
+
+
+def stall_hint(last_step_at: float | None, started_at: float, now: float, workers: list[dict[str, Any]],
+               after_s: float = 60.0) -> str | None:
+    """Why the trainer has made no step for `after_s` seconds or more (wall-clock times), or None.
+
+    The usual cause is not a bug but the policy: when no episode (or every episode) of a group
+    succeeds, the group carries no GRPO signal and `rollout.filter_equal_rewards` drops it, so a
+    collapsed policy starves the trainer while the rollout looks busy."""
+    since = now - (last_step_at if last_step_at is not None else started_at)
+    if since < after_s:
+        return None
+    head = f"no trainer step for {since:.0f} s"
+    recent = [w["recent_reward"] for w in workers if w.get("recent_reward") is not None]
+    equal = sum(w.get("groups_dropped", {}).get("equal_rewards", 0) for w in workers)
+    if recent and equal:
+        reward = sum(recent) / len(recent)
+        if reward <= 0.01 or reward >= 0.99:
+            what = "no episode succeeds" if reward <= 0.01 else "every episode succeeds"
+            return (f"{head}: {what} (mean reward {reward:.3f} of the latest episodes), so every group has "
+                    f"equal rewards and is dropped ({equal} so far, rollout.filter_equal_rewards). A collapsed "
+                    "policy (try a lower train.lr) or a task too hard or too easy for the model")
+    return f"{head}: waiting for whole groups from the rollout workers (their logs: logs/rollout-*.log)"
 
 
 def summary_table(summary: dict[str, Any]) -> Table:

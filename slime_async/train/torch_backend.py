@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -25,6 +26,10 @@ from slime_async.train.batch import Batch
 from slime_async.train.losses import entropy_from_logits
 
 OPTIMIZER_FILE = "optimizer.pt"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+"""Copied from the model directory into every saved one: a checkpoint's `model/` is then a whole
+model directory, usable as `model.path` (`slime-async rollout` on a checkpoint, a new run from it)."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -64,6 +69,7 @@ class TorchBackend:
         self.autocast = dtype == "bfloat16"
         try:
             model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype)
+            self.model_dir = Path(model_path)
         except OSError as exc:
             raise ValueError(f"model.path: cannot load a transformers model from {model_path}: {exc}") from None
         self.model = model.to(self.device).train()
@@ -165,6 +171,9 @@ class TorchBackend:
     def save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path)
+        for name in TOKENIZER_FILES:
+            if (self.model_dir / name).is_file():
+                shutil.copyfile(self.model_dir / name, path / name)
         torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
         if self.reference is not None:
             self.reference.save_pretrained(path / "reference")

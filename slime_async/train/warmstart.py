@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -57,6 +58,10 @@ def cache_key(cfg: Config, base_dir: Path) -> str:
             h.update(hashlib.sha256(f.read_bytes()).digest())
     # the check does not shape the weights; the seed is keyed as resolved
     ws = msgspec.structs.replace(cfg.warmstart, min_success=0.0, check_tasks=0, seed=None)
+    # The env's source file: an edited `demonstration` (or task generator) must not find the old cache.
+    source = inspect.getsourcefile(EnvFactory.from_config(cfg.env.name, cfg.env.args).cls)
+    if source is not None:
+        h.update(Path(source).read_bytes())
     h.update(json.dumps({"env": cfg.env.name, "args": cfg.env.args, "warmstart": msgspec.to_builtins(ws),
                          "seed": seed_of(cfg), "dtype": cfg.model.dtype}, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]

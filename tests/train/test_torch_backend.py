@@ -8,6 +8,7 @@ import pytest
 import torch
 from trajectories import make_trajectories
 
+from slime_async.config.model_dir import check_model_dir
 from slime_async.config.schema import TrainConfig
 from slime_async.train.backend import Logprobs
 from slime_async.train.batch import Batch, build_batch
@@ -95,6 +96,7 @@ def test_save_and_load_restore_model_and_optimizer(tiny_model_dir: Path, tmp_pat
     a = backend(tiny_model_dir, lr=1e-3)
     a.train_step(batch, obj.loss_fn(obj.prepare(batch, a.logprobs(batch, 1.0).logprobs)), 1.0)
     a.save(tmp_path / "ck")
+    check_model_dir(tmp_path / "ck")  # a whole model directory, tokenizer and chat template included
     b = backend(tiny_model_dir, lr=1e-3)
     b.load(tmp_path / "ck")
     for be in (a, b):

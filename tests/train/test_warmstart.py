@@ -104,3 +104,15 @@ def test_success_floor_stops_below_and_passes_at_or_above() -> None:
     with pytest.raises(SuccessTooLow, match=r"warmstart\.min_success"):
         check_success(cfg, Success(sampled=0.1, greedy=0.5, tasks=8))
     check_success(cfg, Success(sampled=0.2, greedy=0.5, tasks=8))
+
+
+def test_an_edited_env_source_is_another_warm_start(tiny_model_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "my_calc_env.py"
+    module.write_text("from envs.calculator import CalculatorEnv\n\n\nclass MyEnv(CalculatorEnv):\n    pass\n")
+    cfg = config("env.name=my_calc_env:MyEnv")
+    before = warmstart_dir(cfg, tiny_model_dir, tmp_path)
+    assert warmstart_dir(cfg, tiny_model_dir, tmp_path) == before
+    module.write_text(module.read_text() + "    # demonstrations changed\n")
+    assert warmstart_dir(cfg, tiny_model_dir, tmp_path) != before
