@@ -253,11 +253,16 @@ def test_torn_tail_is_cut_and_damage_is_an_error(tmp_path: Path) -> None:
     back.add(traj("g2", 0))  # the cut record was never acked, so its sender resends it
     back.close()
     assert balanced(Buffer.open(tmp_path, group_size=1, max_staleness=1))["received"] == 3
+    assert_damage_is_caught(path)
+
+
+def assert_damage_is_caught(path: Path) -> None:
+    """A flipped byte inside the first record's payload is an error naming the offset and the fix."""
     damaged = bytearray(path.read_bytes())
     damaged[20] ^= 0xFF
     path.write_bytes(bytes(damaged))
     with pytest.raises(WALCorruptError, match=r"damaged record at byte 0.*move the file aside"):
-        Buffer.open(tmp_path, group_size=1, max_staleness=1)
+        Buffer.open(path.parent, group_size=1, max_staleness=1)
 
 
 def test_a_wal_written_with_crc32_checksums_still_replays(tmp_path: Path) -> None:
@@ -275,11 +280,7 @@ def test_a_wal_written_with_crc32_checksums_still_replays(tmp_path: Path) -> Non
     assert balanced(back)["ready"] == 3
     assert back.frames_of(back.get_batch(3, batch_id=1)) == frames
     back.close()
-    damaged = bytearray(path.read_bytes())
-    damaged[20] ^= 0xFF
-    path.write_bytes(bytes(damaged))
-    with pytest.raises(WALCorruptError, match=r"damaged record at byte 0"):
-        Buffer.open(tmp_path, group_size=1, max_staleness=1)
+    assert_damage_is_caught(path)
 
 
 def test_new_records_carry_the_xxh3_checksum(tmp_path: Path) -> None:
