@@ -326,7 +326,9 @@ class TrainConfig(_Section):
     """Train no token of an episode that ran out of tokens (stop reason `truncated` or `max_tokens`:
     its reply never ended); its reward still counts in its group's baseline. DAPO's overlong
     filtering (AReaL: `mask_no_eos_with_zero`): long cut-off replies then cannot dominate a
-    token-mean loss with negative advantages, a path to collapse into ever longer replies."""
+    token-mean loss with negative advantages, a path to collapse into ever longer replies. A batch
+    in which every reply was cut off trains as without this (else nothing would train, the version
+    would not move and the staleness bound would stall the rollout); counted as `unmasked_truncated`."""
     grad_clip: NonNegativeFloat = 1.0
     """Max gradient norm; 0 disables clipping."""
     weight_decay: NonNegativeFloat = 0.0

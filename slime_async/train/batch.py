@@ -80,6 +80,9 @@ class BuildResult:
     masked: int = 0
     """Episodes that ran out of tokens, kept for their group's baseline with no token trained
     (`mask_truncated`)."""
+    unmasked: int = 0
+    """Episodes that ran out of tokens and trained all the same, because every row of the batch had
+    (`mask_truncated` leaves at least one row of a batch trainable; see `build_batch`)."""
 
 
 def build_batch(
@@ -95,7 +98,11 @@ def build_batch(
     finite (or positive), when a token id is outside `vocab_size`, when it is longer than
     `max_seq_len` and `overlong` is `skip`, or when nothing in it trains (after truncation).
     With `mask_truncated`, an episode that ran out of tokens (`StopReason.TRUNCATED`, `MAX_TOKENS`)
-    keeps its row, so its reward still counts in its group's baseline, but none of its tokens trains.
+    keeps its row, so its reward still counts in its group's baseline, but none of its tokens trains
+    unless every row of the batch ran out of tokens: a batch that trains nothing leaves the version
+    where it is, and the rollout's staleness bound then admits no new episode (the run stalls). Such a
+    batch trains as without `mask_truncated`; in a group whose rewards are all equal the advantages
+    are 0 anyway.
     """
     if max_seq_len < 2:
         raise ValueError(f"train.max_seq_len: must be at least 2, got {max_seq_len}")
@@ -128,13 +135,15 @@ def build_batch(
             skipped["no_trainable_tokens"] += 1
             continue
         if mask_truncated and traj.stop_reason in _OUT_OF_TOKENS:
-            mask = np.zeros_like(mask)
             masked += 1
         kept.append((traj, ids, logprobs, mask))
-    if not kept or masked == len(kept):
-        if masked:
-            skipped["no_trainable_tokens"] += masked
+    if not kept:
         return BuildResult(None, skipped, truncated)
+    unmasked = masked if masked == len(kept) else 0
+    if masked and not unmasked:
+        kept = [(t, ids, lp, np.zeros_like(m) if t.stop_reason in _OUT_OF_TOKENS else m) for t, ids, lp, m in kept]
+    else:
+        masked = 0
     n, length = len(kept), max(len(k[1]) for k in kept)
     input_ids = torch.zeros(n, length, dtype=torch.int64)
     attention = torch.zeros(n, length, dtype=torch.int64)
@@ -163,4 +172,5 @@ def build_batch(
         skipped,
         truncated,
         masked,
+        unmasked,
     )

@@ -174,8 +174,8 @@ class Trainer:
         self.version = 0
         self.counters: Counter[str] = Counter()
         """trajectories_trained, skipped:<reason> (trajectories; `step_not_applied` when the batch's step was
-        skipped), truncated, empty_batches, skipped_steps, publish_failures,
-        engines_reconciled (engines found behind and brought up to date)."""
+        skipped), truncated, masked_truncated and unmasked_truncated (`build_batch`), empty_batches,
+        skipped_steps, publish_failures, engines_reconciled (engines found behind and brought up to date)."""
         self._stop = asyncio.Event()
 
     # --- resume -------------------------------------------------------------------------
@@ -283,6 +283,8 @@ class Trainer:
         self.counters["truncated"] += built.truncated
         if built.masked:
             self.counters["masked_truncated"] += built.masked
+        if built.unmasked:
+            self.counters["unmasked_truncated"] += built.unmasked
         batch = built.batch
         if batch is None:
             self.counters["empty_batches"] += 1

@@ -86,5 +86,8 @@ def test_mask_truncated_keeps_the_reward_for_the_baseline_and_trains_none_of_the
     assert out.batch.loss_mask.sum(dim=1).tolist() == [2.0, 0.0, 0.0]
     plain = build_batch([done, cut, budget], max_seq_len=16)
     assert plain.masked == 0 and plain.batch is not None and plain.batch.num_trained_tokens == 6
-    alone = build_batch([cut], max_seq_len=16, mask_truncated=True)
-    assert alone.batch is None and dict(alone.skipped) == {"no_trainable_tokens": 1}
+    # A batch of nothing but cut-off replies trains as without the mask: a batch that trains nothing
+    # would never move the version, and the rollout's staleness bound would stall the run.
+    alone = build_batch([cut, budget], max_seq_len=16, mask_truncated=True)
+    assert alone.batch is not None and alone.masked == 0 and alone.unmasked == 2 and not alone.skipped
+    assert alone.batch.loss_mask.sum(dim=1).tolist() == [2.0, 2.0]
