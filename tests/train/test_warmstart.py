@@ -85,7 +85,7 @@ def test_warm_start_is_deterministic_for_a_seed(tiny_model_dir: Path, tmp_path: 
     a, _ = warm_start(cfg, tiny_model_dir, tmp_path / "a")
     b, _ = warm_start(cfg, tiny_model_dir, tmp_path / "b")
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
-    c, _ = warm_start(config("warmstart.examples=32", "run.seed=1"), tiny_model_dir, tmp_path / "c")
+    c, _ = warm_start(config("warmstart.examples=32", "warmstart.seed=1"), tiny_model_dir, tmp_path / "c")
     assert not torch.equal(TorchBackend(a, device="cpu").model.lm_head.weight,
                            TorchBackend(c, device="cpu").model.lm_head.weight)
 
