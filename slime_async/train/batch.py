@@ -108,7 +108,6 @@ def build_batch(
         raise ValueError(f"train.max_seq_len: must be at least 2, got {max_seq_len}")
     skipped: Counter[str] = Counter()
     truncated = 0
-    masked = 0
     kept: list[tuple[Trajectory, np.ndarray, np.ndarray, np.ndarray]] = []
     for traj in trajectories:
         if not np.isfinite(traj.reward):
@@ -134,16 +133,13 @@ def build_batch(
         if not (mask > 0).any():
             skipped["no_trainable_tokens"] += 1
             continue
-        if mask_truncated and traj.stop_reason in _OUT_OF_TOKENS:
-            masked += 1
         kept.append((traj, ids, logprobs, mask))
     if not kept:
         return BuildResult(None, skipped, truncated)
-    unmasked = masked if masked == len(kept) else 0
-    if masked and not unmasked:
+    cut = sum(t.stop_reason in _OUT_OF_TOKENS for t, *_ in kept) if mask_truncated else 0
+    masked, unmasked = (0, cut) if cut == len(kept) else (cut, 0)
+    if masked:
         kept = [(t, ids, lp, np.zeros_like(m) if t.stop_reason in _OUT_OF_TOKENS else m) for t, ids, lp, m in kept]
-    else:
-        masked = 0
     n, length = len(kept), max(len(k[1]) for k in kept)
     input_ids = torch.zeros(n, length, dtype=torch.int64)
     attention = torch.zeros(n, length, dtype=torch.int64)
