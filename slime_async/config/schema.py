@@ -294,8 +294,10 @@ class TrainConfig(_Section):
     dual_clip: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
     """Dual-clip constant c > 1: the loss of a negative-advantage token is at most -c * A. None disables."""
     proximal: Literal["recompute", "behaviour"] = "recompute"
-    """Proximal logprobs (the PPO anchor): recomputed by the trainer before the step, or the engine's
-    behaviour logprobs taken as they are (cheaper; then the behaviour correction is 1)."""
+    """Proximal logprobs (the PPO anchor): the trainer's own before the step, or the engine's
+    behaviour logprobs taken as they are (then the behaviour correction is 1). `recompute` with one
+    step per batch takes them from the training forward (no extra pass); with `steps_per_batch` > 1,
+    `outlier_mask` or `kl_in: reward` it runs a forward pass before the step."""
     behaviour_correction: Literal["none", "token", "sequence"] = "token"
     """Truncated importance weight proximal/behaviour per token, or per sequence (exp of the summed
     log-ratio), capped at `behaviour_cap`. Ignored by `ppo`."""
@@ -312,6 +314,9 @@ class TrainConfig(_Section):
     """Schulman's estimators of KL(policy || reference) from sampled tokens."""
     kl_in: Literal["loss", "reward"] = "loss"
     """Add the KL penalty to the loss, or subtract it from the rewards (per-token reward-to-go)."""
+    positive_nll_coef: NonNegativeFloat = 0.0
+    """Weight of a negative log-likelihood term on the sequences rewarded above their group's mean
+    (VAPO's positive-example LM loss; token mean over those sequences). 0: none."""
     entropy_coef: NonNegativeFloat = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
     steps_per_batch: PositiveInt = 1

@@ -326,15 +326,18 @@ class Trainer:
     async def _train(self, batch: Any, record: StepRecord, max_steps: int | None) -> None:
         """Proximal (and reference) logprobs, then up to `train.steps_per_batch` optimizer steps on `batch`."""
         obj = self.objective
-        if self.cfg.proximal == "recompute":
-            prox = (await asyncio.to_thread(self.backend.logprobs, batch, self.temperature)).logprobs
-        else:
+        steps = self.cfg.steps_per_batch if max_steps is None else min(self.cfg.steps_per_batch, max_steps)
+        prox: torch.Tensor | None
+        if self.cfg.proximal == "behaviour":
             prox = batch.behaviour_logprobs
+        elif steps == 1 and obj.can_fuse_proximal:
+            prox = None  # the training forward's own logprobs, detached (objective.py says why that is exact)
+        else:
+            prox = (await asyncio.to_thread(self.backend.logprobs, batch, self.temperature)).logprobs
         ref = None
         if obj.needs_reference:
             ref = (await asyncio.to_thread(self.backend.logprobs, batch, self.temperature, False, True)).logprobs
         prep = obj.prepare(batch, prox, ref)
-        steps = self.cfg.steps_per_batch if max_steps is None else min(self.cfg.steps_per_batch, max_steps)
         for i in range(steps):
             result = await asyncio.to_thread(self.backend.train_step, batch, obj.loss_fn(prep), self.temperature,
                                              obj.needs_entropy)

@@ -4,6 +4,12 @@
 `clip_high` override single parts of it. Everything that does not depend on the current weights
 (advantages, corrected mask, behaviour weights, aggregation weights, reference logprobs) is computed
 once per batch in `prepare`; `loss` is then called per micro-batch by the backend.
+
+With one optimizer step per batch, the proximal policy (the weights before the step) is the policy
+of the training forward itself, so its logprobs are that forward's, detached: `prepare` without
+`prox` leaves them (and the behaviour weights built on them) to the loss, which saves a whole
+forward pass per step (a quarter of the torch backend's step on CPU). It is the same quantity, not
+an approximation; `can_fuse_proximal` says when nothing else needs the proximal logprobs earlier.
 """
 
 from __future__ import annotations
@@ -56,6 +62,11 @@ class Prepared:
     current: torch.Tensor
     """Filled during the step: the current policy's logprobs (for metrics)."""
     clipped: torch.Tensor
+    fused: bool = False
+    """`prox` and `behaviour_weights` are filled by the loss from the training forward."""
+    positive_weights: torch.Tensor | None = None
+    """Token-mean weights over the tokens of sequences better than their group's mean (the
+    positive-example NLL term); None when `train.positive_nll_coef` is 0."""
 
 
 class Objective:
@@ -78,7 +89,26 @@ class Objective:
     def needs_entropy(self) -> bool:
         return self.cfg.entropy_coef > 0
 
-    def prepare(self, batch: Batch, prox: torch.Tensor, ref_logp: torch.Tensor | None = None) -> Prepared:
+    @property
+    def can_fuse_proximal(self) -> bool:
+        """Whether `prepare` can run without proximal logprobs: only the loss needs them (no outlier
+        mask and no KL reward, which shape the whole batch before any micro-batch runs)."""
+        cfg = self.cfg
+        return cfg.outlier_mask == "none" and not (cfg.kl_coef > 0 and cfg.kl_in == "reward")
+
+    def prepare(self, batch: Batch, prox: torch.Tensor | None, ref_logp: torch.Tensor | None = None) -> Prepared:
+        """The batch's loss inputs. `prox` None: the loss takes it from the training forward (one
+        optimizer step on this batch, and `can_fuse_proximal`)."""
+        cfg = self.cfg
+        behav = batch.behaviour_logprobs
+        if prox is None:
+            if not self.can_fuse_proximal:
+                raise ValueError("proximal logprobs are needed before the step with train.outlier_mask or "
+                                 "train.kl_in=reward; recompute them first")
+            return self._prepare(batch, torch.zeros_like(behav), ref_logp, fused=True)
+        return self._prepare(batch, prox, ref_logp, fused=False)
+
+    def _prepare(self, batch: Batch, prox: torch.Tensor, ref_logp: torch.Tensor | None, fused: bool) -> Prepared:
         cfg = self.cfg
         behav = batch.behaviour_logprobs
         mask = L.outlier_mask(prox, behav, batch.loss_mask, cfg.outlier_mask, cfg.outlier_low, cfg.outlier_high)
@@ -95,16 +125,24 @@ class Objective:
             adv = A.to_tokens(seq, mask)
             if token_rewards is not None:
                 adv = adv + token_rewards
+        positive = None
+        if cfg.positive_nll_coef > 0:
+            better = A.group_mean(batch.rewards, batch.group_index) < batch.rewards
+            positive = mask * better[:, None].to(mask.dtype)
+            positive = positive / positive.sum().clamp(min=1.0)
         return Prepared(
             mask=mask,
             prox=prox,
             behav=behav,
             advantages=adv,
-            behaviour_weights=L.behaviour_weights(prox, behav, mask, self.correction, cfg.behaviour_cap),
+            behaviour_weights=(torch.zeros_like(mask) if fused
+                               else L.behaviour_weights(prox, behav, mask, self.correction, cfg.behaviour_cap)),
             weights=L.aggregation_weights(mask, self.aggregation, batch.group_index, self.norm),  # type: ignore[arg-type]
             ref_logp=ref_logp,
             current=torch.zeros_like(prox),
             clipped=torch.zeros_like(mask, dtype=torch.bool),
+            fused=fused,
+            positive_weights=positive,
         )
 
     def loss_fn(self, prep: Prepared):  # -> LossFn
@@ -119,14 +157,22 @@ class Objective:
             def part(t: torch.Tensor) -> torch.Tensor:
                 return t[rows, :k].to(dev)
 
-            mask, prox, adv, weights = part(prep.mask), part(prep.prox), part(prep.advantages), part(prep.weights)
+            mask, adv, weights = part(prep.mask), part(prep.advantages), part(prep.weights)
+            if prep.fused:  # these weights are the proximal policy: see the module's docstring
+                prox = logp.detach()
+                behaviour_weights = L.behaviour_weights(prox, part(prep.behav), mask, self.correction,
+                                                        cfg.behaviour_cap)
+                prep.prox[rows, :k] = prox.cpu()
+                prep.behaviour_weights[rows, :k] = behaviour_weights.cpu()
+            else:
+                prox, behaviour_weights = part(prep.prox), part(prep.behaviour_weights)
             if self.policy == "gspo":
                 pl = L.gspo_loss(logp, prox, adv, mask, self.clip_low, self.clip_high)
             elif self.policy == "cispo":
                 pl = L.cispo_loss(logp, prox, adv, mask, self.clip_low, self.clip_high)
             else:
                 pl = L.ppo_clip_loss(logp, prox, adv, mask, self.clip_low, self.clip_high, cfg.dual_clip)
-            values = pl.loss * part(prep.behaviour_weights)
+            values = pl.loss * behaviour_weights
             pg = L.aggregate(values, weights)
             loss = pg
             metrics = {"pg_loss": float(pg.detach())}
@@ -135,6 +181,13 @@ class Objective:
                 kl = L.aggregate(L.kl_penalty(logp, part(prep.ref_logp), mask, cfg.kl_estimator), weights)
                 loss = loss + cfg.kl_coef * kl
                 metrics["kl_ref"] = float(kl.detach())
+            if prep.positive_weights is not None:
+                # VAPO's positive-example LM loss: GRPO's advantages sum to zero in a group, so the
+                # rare tokens no sample chose get no steady push; the NLL of the better samples
+                # keeps lowering them, as the supervised warm-start did
+                nll = -L.aggregate(logp, part(prep.positive_weights))
+                loss = loss + cfg.positive_nll_coef * nll
+                metrics["positive_nll"] = float(nll.detach())
             if cfg.entropy_coef > 0:
                 assert out.entropy is not None
                 ent = L.aggregate(out.entropy, weights)

@@ -68,6 +68,37 @@ async def test_loop_steps_bumps_version_publishes_and_tells_the_source(tiny_mode
     assert any(not torch.equal(p, before[n]) for n, p in trainer.backend.named_weights())
 
 
+async def test_proximal_from_the_training_forward_equals_a_recomputed_one(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One step per batch: the loss takes the proximal logprobs from its own forward, with no extra
+    pass, and trains exactly as when they are recomputed first (here forced by an outlier mask whose
+    bounds mask nothing)."""
+    passes: list[str] = []
+    real = TorchBackend.logprobs
+
+    def counting(self: TorchBackend, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        passes.append("logprobs")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchBackend, "logprobs", counting)
+    runs = {}
+    for name, extra in {"fused": {}, "recompute": {"outlier_mask": "token", "outlier_low": 1e-9,
+                                                  "outlier_high": 1e9}}.items():
+        passes.clear()
+        trainer, records, _ = make(tiny_model_dir, InMemorySource(make_trajectories(8)), **extra)
+        await trainer.run(until_version=2)
+        runs[name] = (weights(trainer), records, len(passes))
+    (fused_w, fused_r, fused_passes), (ref_w, ref_r, ref_passes) = runs["fused"], runs["recompute"]
+    assert (fused_passes, ref_passes) == (0, 2)
+    for name, tensor in ref_w.items():
+        torch.testing.assert_close(fused_w[name], tensor)
+    for a, b in zip(fused_r, ref_r, strict=True):
+        # the engine's logprobs (-1) are not this model's: the behaviour weights are far from 1
+        assert a.metrics["behav_prox_kl_k1"] > 0.1
+        for key in ("behav_prox_kl_k1", "ess", "ratio_max", "pg_loss"):
+            assert a.metrics[key] == pytest.approx(b.metrics[key], rel=1e-5, abs=1e-6)
+
+
 async def test_several_steps_per_batch_add_staleness(tiny_model_dir: Path) -> None:
     source = InMemorySource(make_trajectories(8))
     trainer, records, sink = make(tiny_model_dir, source, steps_per_batch=2)
@@ -208,7 +239,8 @@ class MemorySink(RecordingSink):
 async def test_engines_give_their_memory_back_around_the_gpu_work(
     tiny_model_dir: Path, fail: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Release before the first forward, restore with the version reached after the step, also when it fails."""
+    """Release before the first forward, restore with the version reached after the step, also when it fails.
+    (One step per batch: the proximal logprobs come from the training forward, so no `logprobs` pass.)"""
     calls: list[str] = []
     trainer, _, _ = make(tiny_model_dir, InMemorySource(make_trajectories(4)))
     sink = MemorySink(calls)
@@ -230,11 +262,11 @@ async def test_engines_give_their_memory_back_around_the_gpu_work(
     if fail:
         with pytest.raises(RuntimeError, match="boom"):
             await trainer.step()
-        assert calls == ["release", "logprobs", "train_step", "restore 0"]
+        assert calls == ["release", "train_step", "restore 0"]
     else:
         record = await trainer.step()
         assert record is not None and record.version == 1 and record.publish is not None
-        assert calls == ["release", "logprobs", "train_step", "restore 1"]
+        assert calls == ["release", "train_step", "restore 1"]
         assert sink.published == [(1, len(list(trainer.backend.named_weights())))]  # one push, not two
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from slime_async.config.schema import TrainConfig
+from slime_async.train.backend import Logprobs
 from slime_async.train.batch import Batch
 from slime_async.train.objective import Objective
 
@@ -65,3 +67,41 @@ def test_kl_in_reward_enters_the_advantages() -> None:
     adv = o.prepare(b, prox, ref).advantages
     # k1 = 0.5 per token; reward-to-go of -0.05 per token over 3, 2, 1 remaining tokens
     torch.testing.assert_close(adv - base, T([[0.0, -0.15, -0.10, -0.05], [0.0] * 4, [0.0] * 4]))
+
+
+def test_prepare_without_proximal_leaves_it_to_the_loss() -> None:
+    b = batch()
+    o = Objective(TrainConfig(loss="decoupled_ppo", behaviour_cap=2.0))
+    assert o.can_fuse_proximal
+    p = o.prepare(b, None)
+    assert p.fused and p.prox.abs().sum() == 0
+    # the loss fills proximal logprobs and behaviour weights from the forward it is given
+    logp = b.behaviour_logprobs + T([[0.0, math.log(3.0), 0.0, math.log(0.5)], [0.0] * 4, [0.0] * 4])
+    o.loss_fn(p)(b, slice(0, 3), Logprobs(logp.clone().requires_grad_(), None))
+    torch.testing.assert_close(p.prox, logp)
+    torch.testing.assert_close(p.behaviour_weights, T([[0.0, 2.0, 1.0, 0.5], [0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0, 0]]))
+    for cfg in (TrainConfig(outlier_mask="token"), TrainConfig(kl_coef=0.1, kl_in="reward")):
+        assert not Objective(cfg).can_fuse_proximal
+        with pytest.raises(ValueError, match="outlier_mask"):
+            Objective(cfg).prepare(b, None)
+
+
+def test_positive_nll_weights_the_tokens_of_better_than_average_samples() -> None:
+    b = batch()  # group 0: rewards 1 and 0; group 1: one sample (never better than its own mean)
+    assert Objective(TrainConfig()).prepare(b, b.behaviour_logprobs).positive_weights is None
+    o = Objective(TrainConfig(positive_nll_coef=0.5))
+    p = o.prepare(b, b.behaviour_logprobs)
+    assert p.positive_weights is not None
+    torch.testing.assert_close(p.positive_weights, T([[0.0, 1 / 3, 1 / 3, 1 / 3], [0.0] * 4, [0.0] * 4]))
+    logp = (b.behaviour_logprobs - 0.5).requires_grad_()
+    loss, metrics = o.loss_fn(p)(b, slice(0, 3), Logprobs(logp, None))
+    assert metrics["positive_nll"] == pytest.approx(1.5)  # mean of -logp over row 0's three tokens
+    loss.backward()
+    assert logp.grad is not None
+    plain = Objective(TrainConfig()).prepare(b, b.behaviour_logprobs)
+    logp2 = (b.behaviour_logprobs - 0.5).requires_grad_()
+    Objective(TrainConfig()).loss_fn(plain)(b, slice(0, 3), Logprobs(logp2, None))[0].backward()
+    assert logp2.grad is not None
+    # the NLL adds -coef / 3 to the gradient of each of row 0's tokens, and nothing elsewhere
+    extra = logp.grad - logp2.grad
+    torch.testing.assert_close(extra, T([[0.0, -1 / 6, -1 / 6, -1 / 6], [0.0] * 4, [0.0] * 4]))
