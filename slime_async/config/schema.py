@@ -397,14 +397,27 @@ class SyncConfig(_Section):
     is `colocated` under `--ray`, else off."""
 
 
+class WarmstartStage(_Section):
+    """One stage of the warm-start: its own demonstrations, trained after the previous stage's."""
+
+    examples: PositiveInt
+    """Demonstration episodes of this stage (drawn from the env's train split)."""
+    env_args: dict[str, Any] = {}
+    """Overrides of `env.args` for this stage's demonstrations only (e.g. a different mix of them)."""
+
+
 class WarmstartConfig(_Section):
     """A supervised warm-start on the env's demonstrations before RL (`slime_async.train.warmstart`),
     and a check that the model it starts RL from succeeds often enough to learn from."""
 
     enabled: bool = False
     """Train on `Env.demonstration` episodes first; the result is cached by everything that shapes it."""
-    examples: PositiveInt = 4096
-    """Demonstration episodes (drawn from the env's train split)."""
+    examples: PositiveInt | None = None
+    """Demonstration episodes (drawn from the env's train split); null: 4096. Not with `stages`."""
+    stages: list[WarmstartStage] = []
+    """A curriculum: stages trained one after another (each shuffled within itself, each for `epochs`)
+    under one learning-rate schedule, instead of one set of `examples`. E.g. first demonstrations that
+    all use a tool, so that a skill is learnt, then a mix that shifts a choice."""
     epochs: PositiveInt = 1
     batch_size: PositiveInt = 32
     lr: PositiveFloat = 1e-3

@@ -68,5 +68,5 @@ def check_success(cfg: Config, success: Success) -> None:
         raise SuccessTooLow(
             f"warmstart.min_success: the model RL would start from solves {success.sampled:.1%} of "
             f"{success.tasks} held-out problems when sampled (greedy {success.greedy:.1%}), below the floor "
-            f"{floor:.1%}; RL cannot learn without rewarded episodes. Warm-start longer "
-            "(warmstart.examples, warmstart.epochs, warmstart.lr), enable warmstart, or lower the floor")
+            f"{floor:.1%}; RL cannot learn without rewarded episodes. Warm-start longer (warmstart.examples "
+            "or warmstart.stages, warmstart.epochs, warmstart.lr), enable warmstart, or lower the floor")

@@ -99,7 +99,6 @@ class Objective:
     def prepare(self, batch: Batch, prox: torch.Tensor | None, ref_logp: torch.Tensor | None = None) -> Prepared:
         """The batch's loss inputs. `prox` None: the loss takes it from the training forward (one
         optimizer step on this batch, and `can_fuse_proximal`)."""
-        cfg = self.cfg
         behav = batch.behaviour_logprobs
         if prox is None:
             if not self.can_fuse_proximal:

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import torch
 
-from slime_async.config.schema import Config, WarmstartConfig
+from slime_async.config.schema import Config, WarmstartConfig, WarmstartStage
 from slime_async.env import EnvFactory, ScriptedPolicy, run_episode
 from slime_async.train.backend import Logprobs
 from slime_async.train.batch import Batch, build_batch
@@ -42,6 +42,10 @@ log = logging.getLogger("slime_async.train.warmstart")
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 Progress = Callable[[int, int, float], None]
 """Called after each optimizer step with (step, steps, loss)."""
+
+
+DEFAULT_EXAMPLES = 4096
+"""Demonstrations when neither `warmstart.examples` nor `warmstart.stages` is given."""
 
 
 class WarmstartError(ValueError):
@@ -106,6 +110,11 @@ async def demonstrations(factory: EnvFactory, tokenizer: Any, count: int, seed: 
     return list(out)
 
 
+def stages_of(ws: WarmstartConfig) -> list[WarmstartStage]:
+    """The configured curriculum, or one stage of `examples` demonstrations."""
+    return list(ws.stages) or [WarmstartStage(examples=ws.examples or DEFAULT_EXAMPLES)]
+
+
 def seed_of(cfg: Config) -> int:
     return cfg.warmstart.seed if cfg.warmstart.seed is not None else cfg.run.seed
 
@@ -139,31 +148,41 @@ def train_sft(cfg: Config, base_dir: Path, out_dir: Path, progress: Progress | N
     ws = cfg.warmstart
     seed = seed_of(cfg)
     seed_everything(seed)
+    factories = []
+    for i, stage in enumerate(stages_of(ws)):
+        try:
+            factories.append(EnvFactory.from_config(cfg.env.name, {**cfg.env.args, **stage.env_args}))
+        except ValueError as exc:
+            raise WarmstartError(f"warmstart.stages[{i}].env_args: {exc}") from None
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
-    factory = EnvFactory.from_config(cfg.env.name, cfg.env.args)
     started = time.perf_counter()
-    demos = asyncio.run(demonstrations(factory, tokenizer, ws.examples, seed))
-    built = build_batch(demos, cfg.train.max_seq_len, "truncate")
-    if built.batch is None:
-        raise WarmstartError(f"warmstart: no demonstration has trainable tokens ({dict(built.skipped)})")
-    data = built.batch
+    stages = []
+    for i, (stage, factory) in enumerate(zip(stages_of(ws), factories, strict=True)):
+        # each stage its own draw of tasks (seed + i), so that stages do not repeat the same problems
+        demos = asyncio.run(demonstrations(factory, tokenizer, stage.examples, seed + i))
+        built = build_batch(demos, cfg.train.max_seq_len, "truncate")
+        if built.batch is None:
+            raise WarmstartError(f"warmstart: no demonstration of stage {i} has trainable tokens "
+                                 f"({dict(built.skipped)})")
+        stages.append(built.batch)
     backend = TorchBackend(base_dir, device=cfg.model.device, dtype=cfg.model.dtype, lr=ws.lr,
                            grad_clip=cfg.train.grad_clip, micro_batch_size=ws.batch_size)
-    steps = ws.epochs * (len(data) // ws.batch_size)
+    steps = ws.epochs * sum(len(data) // ws.batch_size for data in stages)
     sched = torch.optim.lr_scheduler.LambdaLR(backend.optimizer, lambda s: lr_factor(s, steps, ws.warmup_steps))
     gen = torch.Generator().manual_seed(seed)
     step, loss = 0, float("nan")
-    for _ in range(ws.epochs):
-        order = torch.randperm(len(data), generator=gen)
-        for start in range(0, len(data) - ws.batch_size + 1, ws.batch_size):
-            rows = order[start:start + ws.batch_size]
-            mb = _select(data, rows)
-            result = backend.train_step(mb, sft_loss(max(1, mb.num_trained_tokens)), temperature=1.0)
-            sched.step()
-            step += 1
-            loss = result.loss
-            if progress is not None:
-                progress(step, steps, loss)
+    for data in stages:
+        for _ in range(ws.epochs):
+            order = torch.randperm(len(data), generator=gen)
+            for start in range(0, len(data) - ws.batch_size + 1, ws.batch_size):
+                rows = order[start:start + ws.batch_size]
+                mb = _select(data, rows)
+                result = backend.train_step(mb, sft_loss(max(1, mb.num_trained_tokens)), temperature=1.0)
+                sched.step()
+                step += 1
+                loss = result.loss
+                if progress is not None:
+                    progress(step, steps, loss)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     backend.model.save_pretrained(tmp)
@@ -171,8 +190,9 @@ def train_sft(cfg: Config, base_dir: Path, out_dir: Path, progress: Progress | N
     for name in ("chat_template.jinja",):  # kept byte-identical: the renderer's append-only check reads it
         if (base_dir / name).is_file():
             shutil.copy2(base_dir / name, tmp / name)
-    report = {"demonstrations": len(demos), "steps": step, "final_nll": loss,
-              "seconds": time.perf_counter() - started, "trained_tokens": data.num_trained_tokens}
+    report = {"demonstrations": sum(len(data) for data in stages), "steps": step, "final_nll": loss,
+              "seconds": time.perf_counter() - started,
+              "trained_tokens": sum(data.num_trained_tokens for data in stages)}
     (tmp / "warmstart.json").write_text(json.dumps(report, indent=2))
     try:
         tmp.rename(out_dir)  # atomic: a concurrent run either sees the whole directory or none
@@ -194,6 +214,7 @@ def _select(batch: Batch, rows: torch.Tensor) -> Batch:
 def warm_start(cfg: Config, base_dir: Path, cache_root: Path, progress: Progress | None = None) -> tuple[Path, bool]:
     """The warm-started model directory for `cfg` (trained now, or found in the cache).
     Returns (directory, whether it came from the cache)."""
+    check_settings(cfg.warmstart)
     out = warmstart_dir(cfg, base_dir, cache_root)
     if (out / "config.json").is_file():
         return out, True
@@ -204,6 +225,13 @@ def warm_start(cfg: Config, base_dir: Path, cache_root: Path, progress: Progress
 
 
 def check_settings(ws: WarmstartConfig) -> None:
-    if ws.examples < ws.batch_size:
+    if ws.stages and ws.examples is not None:
+        raise WarmstartError("warmstart.examples and warmstart.stages: give one (each stage has its own examples); "
+                             "to train one set of demonstrations on a config with stages, add warmstart.stages=[]")
+    if not ws.stages and (ws.examples or DEFAULT_EXAMPLES) < ws.batch_size:
         raise WarmstartError(f"warmstart.examples: {ws.examples} is fewer than warmstart.batch_size "
                              f"{ws.batch_size}; no step could be taken")
+    for i, stage in enumerate(ws.stages):
+        if stage.examples < ws.batch_size:
+            raise WarmstartError(f"warmstart.stages[{i}].examples: {stage.examples} is fewer than "
+                                 f"warmstart.batch_size {ws.batch_size}; the stage could take no step")

@@ -36,7 +36,8 @@ def train_command(run_dir: Path, *overrides: str) -> list[str]:
             "rollout.sampling.max_new_tokens=16", "engine.port=0",
             # a few steps of warm-start (cached for the session) and a small success check: the
             # whole path of the embedded default, in seconds
-            "warmstart.examples=64", "warmstart.check_tasks=8", "warmstart.min_success=0", "data.eval_every=0",
+            "warmstart.stages=[]", "warmstart.examples=64", "warmstart.check_tasks=8", "warmstart.min_success=0",
+            "data.eval_every=0",
             *overrides]
 
 

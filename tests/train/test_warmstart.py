@@ -16,7 +16,8 @@ from slime_async.train.torch_backend import TorchBackend
 from slime_async.train.warmstart import WarmstartError, demonstrations, warm_start, warmstart_dir
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["warmstart.enabled=true", "warmstart.examples=64", "warmstart.batch_size=16", "warmstart.lr=3e-3"]
+SMALL = ["warmstart.enabled=true", "warmstart.stages=[]", "warmstart.examples=64", "warmstart.batch_size=16",
+         "warmstart.lr=3e-3"]
 
 
 def config(*overrides: str):  # -> Config
@@ -116,3 +117,52 @@ def test_an_edited_env_source_is_another_warm_start(tiny_model_dir: Path, tmp_pa
     assert warmstart_dir(cfg, tiny_model_dir, tmp_path) == before
     module.write_text(module.read_text() + "    # demonstrations changed\n")
     assert warmstart_dir(cfg, tiny_model_dir, tmp_path) != before
+
+
+def test_stages_train_in_order_each_on_its_own_demonstrations(tiny_model_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import msgspec
+
+    from slime_async.config.schema import WarmstartStage
+
+    base = config()
+    stages = [WarmstartStage(examples=32, env_args={"demo_tool_fraction": 1.0}),
+              WarmstartStage(examples=16, env_args={"demo_tool_fraction": 0.0})]
+    ws = msgspec.structs.replace(base.warmstart, stages=stages, examples=None)
+    cfg = msgspec.structs.replace(base, warmstart=ws)
+    tool_call = AutoTokenizer.from_pretrained(str(tiny_model_dir)).convert_tokens_to_ids("<tool_call>")
+    calls_tool: list[bool] = []
+    real_step = TorchBackend.train_step
+
+    def recording(self: TorchBackend, batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        trained = batch.input_ids[batch.loss_mask.bool()]
+        calls_tool.append(bool((trained == tool_call).any()))
+        if calls_tool[-1]:  # every row of a tool stage's step calls the tool
+            assert all(bool((row[m.bool()] == tool_call).any())
+                       for row, m in zip(batch.input_ids, batch.loss_mask, strict=True))
+        return real_step(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(TorchBackend, "train_step", recording)
+    progress: list[tuple[int, int]] = []
+    out, _ = warm_start(cfg, tiny_model_dir, tmp_path, lambda s, n, loss: progress.append((s, n)))
+    assert calls_tool == [True, True, False]  # 32 then 16 demonstrations in batches of 16, in order
+    assert progress[-1] == (3, 3)
+    assert '"demonstrations": 48' in (out / "warmstart.json").read_text()
+    assert warmstart_dir(base, tiny_model_dir, tmp_path) != out  # the stages are part of the cache key
+
+
+def test_bad_stages_are_named() -> None:
+    import msgspec
+
+    from slime_async.config.schema import WarmstartStage
+    from slime_async.train.warmstart import check_settings, train_sft
+
+    ws = msgspec.structs.replace(config().warmstart, examples=None)
+    with pytest.raises(WarmstartError, match=r"warmstart\.examples and warmstart\.stages: give one"):
+        check_settings(msgspec.structs.replace(ws, examples=64, stages=[WarmstartStage(examples=64)]))
+    with pytest.raises(WarmstartError, match=r"warmstart\.stages\[1\]\.examples: 8 is fewer"):
+        check_settings(msgspec.structs.replace(ws, stages=[WarmstartStage(examples=64), WarmstartStage(examples=8)]))
+    bad = msgspec.structs.replace(ws, stages=[WarmstartStage(examples=16, env_args={"demo_tool_fractio": 1.0})])
+    cfg = msgspec.structs.replace(config(), warmstart=bad)
+    with pytest.raises(WarmstartError, match=r"warmstart\.stages\[0\]\.env_args: .*demo_tool_fractio"):
+        train_sft(cfg, REPO / "nowhere", REPO / "nowhere-out")
