@@ -26,9 +26,12 @@ def run(quick: bool = False) -> Result:
         for loss in ("ppo", "decoupled_ppo"):
             for eta in etas:
                 name = f"{loss}-eta{eta}"
+                # naive PPO's anchor is the behaviour policy itself (the `ppo` recipe alone would
+                # recompute it and merely drop the correction)
+                naive = ["train.proximal=behaviour"] if loss == "ppo" else []
                 s = run_training("configs/local.yaml", name, Path(tmp), [
                     f"rollout.max_staleness={eta}", f"train.loss={loss}", f"train.steps={steps}",
-                    "data.eval_every=0"])
+                    "data.eval_every=0", *naive])
                 runs[name] = {k: v for k, v in s.items() if k != "records"}
                 recs = s["records"]
                 stale = [r["max_staleness"] for r in recs]
