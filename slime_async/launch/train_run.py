@@ -121,9 +121,8 @@ def _warm_start(cfg: Config, console: Console) -> tuple[Config, dict[str, Any] |
     if not cfg.warmstart.enabled:
         return cfg, None
     from slime_async.train.tiny_model import default_cache_dir
-    from slime_async.train.warmstart import check_settings, warm_start
+    from slime_async.train.warmstart import warm_start
 
-    check_settings(cfg.warmstart)
     base = resolve_model_path(cfg.model.path)
     began = time.monotonic()
     with Progress(TextColumn("warm-start"), BarColumn(), MofNCompleteColumn(), TextColumn("nll {task.fields[nll]}"),

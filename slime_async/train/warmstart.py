@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import torch
 
+from slime_async.config import ConfigError
 from slime_async.config.schema import Config, WarmstartConfig, WarmstartStage
 from slime_async.env import EnvFactory, ScriptedPolicy, run_episode
 from slime_async.train.backend import Logprobs
@@ -48,8 +49,9 @@ DEFAULT_EXAMPLES = 4096
 """Demonstrations when neither `warmstart.examples` nor `warmstart.stages` is given."""
 
 
-class WarmstartError(ValueError):
-    """The warm-start cannot run as configured; the message names the field and the fix."""
+class WarmstartError(ConfigError):
+    """The warm-start cannot run as configured; the message names the field and the fix (the CLI
+    prints it as one line, as it does every ConfigError)."""
 
 
 def cache_key(cfg: Config, base_dir: Path) -> str:
@@ -148,16 +150,18 @@ def train_sft(cfg: Config, base_dir: Path, out_dir: Path, progress: Progress | N
     ws = cfg.warmstart
     seed = seed_of(cfg)
     seed_everything(seed)
-    factories = []
+    plan = []  # (stage, its env factory): every stage's args checked before anything is trained
     for i, stage in enumerate(stages_of(ws)):
         try:
-            factories.append(EnvFactory.from_config(cfg.env.name, {**cfg.env.args, **stage.env_args}))
+            plan.append((stage, EnvFactory.from_config(cfg.env.name, {**cfg.env.args, **stage.env_args})))
         except ValueError as exc:
+            if not stage.env_args:
+                raise  # env.args itself: its error names it
             raise WarmstartError(f"warmstart.stages[{i}].env_args: {exc}") from None
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
     started = time.perf_counter()
     stages = []
-    for i, (stage, factory) in enumerate(zip(stages_of(ws), factories, strict=True)):
+    for i, (stage, factory) in enumerate(plan):
         # each stage its own draw of tasks (seed + i), so that stages do not repeat the same problems
         demos = asyncio.run(demonstrations(factory, tokenizer, stage.examples, seed + i))
         built = build_batch(demos, cfg.train.max_seq_len, "truncate")

@@ -80,6 +80,19 @@ def test_train_refuses_to_overwrite_a_run(
     assert (tmp_path / "local" / "metrics.jsonl").read_text() == "{}\n"  # nothing lost
 
 
+def test_a_warm_start_misconfigured_is_one_line(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path,
+                                                tmp_path: Path) -> None:
+    monkeypatch.chdir(REPO)
+    for override, expected in [
+        ("warmstart.examples=64", "warmstart.examples and warmstart.stages: give one"),  # local.yaml has stages
+        ("warmstart.stages=[{examples: 64, env_args: {demo_tool_fractio: 1}}]",
+         "warmstart.stages[0].env_args: env.args: Object contains unknown field `demo_tool_fractio`"),
+    ]:
+        result = invoke("train", "configs/local.yaml", f"run.dir={tmp_path}", "--overwrite", override)
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        assert expected in " ".join(result.stderr.split())
+
+
 def test_rollout_writes_trajectories(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, tmp_path: Path) -> None:
     """The rollout side alone: an embedded engine process, the calculator env, a JSONL file."""
     monkeypatch.chdir(REPO)
