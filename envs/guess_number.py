@@ -24,6 +24,10 @@ class GuessArgs(EnvArgs):
     """Targets are 1..high."""
     num_train: Annotated[int, msgspec.Meta(ge=0)] = 10_000
     num_eval: Annotated[int, msgspec.Meta(ge=0)] = 100
+    say_bounds: bool = False
+    """Each reply also names the range still open ("Higher. From 33 to 64."): the player needs no
+    memory of earlier replies, only to choose well within two numbers (a tiny model cannot yet
+    track the bounds over many turns; it can learn to pick near the middle)."""
     limits: Limits = msgspec.field(default_factory=lambda: Limits(max_turns=14, max_total_tokens=2048))
 
 
@@ -36,6 +40,7 @@ class GuessNumberEnv(Env):
         self.guesses = 0
         self.invalid = 0
         self.solved = False
+        self.lo, self.hi = 1, self.args.high
 
     @classmethod
     def tasks(cls, args: GuessArgs, split: Split) -> list[Task]:  # type: ignore[override]
@@ -57,7 +62,7 @@ class GuessNumberEnv(Env):
         # Random guesses within the bounds the feedback leaves, not binary search: the warm-start
         # teaches the game's form and leaves RL a better search to find (fewer guesses, more reward).
         assert isinstance(args, GuessArgs)
-        return random_search_replies(int(task.answer), args.high, random.Random(task.id))
+        return random_search_replies(int(task.answer), args.high, random.Random(task.id), args.limits.max_turns)
 
     async def on_reply(self, message: Message) -> list[Message] | None:
         found = _INT.findall(message.content)
@@ -69,7 +74,11 @@ class GuessNumberEnv(Env):
         if guess == target:
             self.solved = True
             return None
-        return [Message(role="user", content="Higher." if guess < target else "Lower.")]  # type: ignore[operator]
+        higher = guess < target  # type: ignore[operator]
+        # a guess outside the open range leaves it as it was (and has cost a guess)
+        self.lo, self.hi = (max(self.lo, guess + 1), self.hi) if higher else (self.lo, min(self.hi, guess - 1))
+        said = "Higher." if higher else "Lower."
+        return [Message(role="user", content=f"{said} From {self.lo} to {self.hi}." if self.args.say_bounds else said)]
 
     @reward
     def win(self) -> float:
@@ -78,6 +87,10 @@ class GuessNumberEnv(Env):
     @metric
     def num_guesses(self) -> float:
         return float(self.guesses)
+
+    @metric
+    def found(self) -> float:
+        return float(self.solved)
 
     @metric
     def invalid_replies(self) -> float:
@@ -95,11 +108,16 @@ def binary_search_replies(target: int, high: int = 1024) -> list[str]:
         lo, hi = (mid + 1, hi) if mid < target else (lo, mid - 1)
 
 
-def random_search_replies(target: int, high: int, rng: random.Random) -> list[str]:
-    """Uniform guesses within the bounds that "higher"/"lower" leave, until `target` (about 2 ln(high) guesses)."""
+def random_search_replies(target: int, high: int, rng: random.Random, max_guesses: int | None = None) -> list[str]:
+    """Uniform guesses within the bounds that "higher"/"lower" leave, until `target` (about 2 ln(high) guesses).
+
+    With `max_guesses`, the search bisects once the guesses left are just enough for bisection, so
+    that it always wins in time (random search over 1..1024 needs about 12 guesses, often more than 14).
+    """
     lo, hi, out = 1, high, []
     while True:
-        guess = rng.randint(lo, hi)
+        must_bisect = max_guesses is not None and max_guesses - len(out) <= (hi - lo + 1).bit_length()
+        guess = (lo + hi) // 2 if must_bisect else rng.randint(lo, hi)
         out.append(str(guess))
         if guess == target:
             return out

@@ -40,13 +40,16 @@ def reward_metrics(rewards: Sequence[Sequence[float]], ks: Sequence[int], thresh
 def group_metrics(groups: Sequence[Sequence[Trajectory]], ks: Sequence[int],
                   threshold: float = 1.0) -> dict[str, float]:
     """`reward_metrics` of finished groups, plus the share of each stop reason, the mean number of
-    completion tokens and the oldest/newest weight version among their tokens (which policy was evaluated)."""
+    completion tokens, the oldest/newest weight version among their tokens (which policy was evaluated)
+    and the mean of each of the env's `@metric`s as `metric/NAME` (over the episodes that report it)."""
     out = reward_metrics([[t.reward for t in g] for g in groups], ks, threshold)
     trajectories = [t for g in groups for t in g]
     if trajectories:
         reasons = Counter(t.stop_reason.value for t in trajectories)
         out.update({f"stop/{r}": n / len(trajectories) for r, n in sorted(reasons.items())})
         out["mean_completion_tokens"] = float(np.mean([t.num_completion_tokens for t in trajectories]))
+        for name in sorted({k for t in trajectories for k in t.metrics}):
+            out[f"metric/{name}"] = float(np.mean([t.metrics[name] for t in trajectories if name in t.metrics]))
         versions = [int(v) for t in trajectories for turn in t.turns for v in turn.versions]
         if versions:
             out["version_min"], out["version_max"] = float(min(versions)), float(max(versions))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from slime_async.config import Config, ConfigError
@@ -28,6 +28,9 @@ class Success:
     """Share of problems solved (reward >= 1) at `rollout.sampling`."""
     greedy: float
     tasks: int
+    sampled_metrics: dict[str, float] = field(default_factory=dict)
+    """Everything the sampled round measured: `mean_reward`, stop reasons, the env's `metric/NAME` means."""
+    greedy_metrics: dict[str, float] = field(default_factory=dict)
 
 
 async def measure_success(cfg: Config, model_dir: Path | None, num_tasks: int, urls: list[str] | None = None
@@ -58,7 +61,8 @@ async def measure_success(cfg: Config, model_dir: Path | None, num_tasks: int, u
     finally:
         for e in engines:
             e.stop()
-    return Success(results["sampled"].metrics["pass@1"], results["greedy"].metrics["pass@1"], len(tasks))
+    sampled_round, greedy_round = results["sampled"].metrics, results["greedy"].metrics
+    return Success(sampled_round["pass@1"], greedy_round["pass@1"], len(tasks), sampled_round, greedy_round)
 
 
 def check_success(cfg: Config, success: Success) -> None:

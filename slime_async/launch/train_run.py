@@ -10,9 +10,11 @@ an existing run directory is refused rather than overwritten.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -69,7 +71,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
     config_path.write_text(to_yaml(cfg))  # every part reads the model RL starts from
     before = None
     if cfg.warmstart.check_tasks and not resume:
-        with console.status(f"measuring success on {cfg.warmstart.check_tasks} held-out problems ..."):
+        with _status(console, f"measuring success on {cfg.warmstart.check_tasks} held-out problems ..."):
             before = asyncio.run(measure_success(cfg, None, cfg.warmstart.check_tasks))
         console.print(f"success before RL: {before.sampled:.1%} sampled, {before.greedy:.1%} greedy "
                       f"({before.tasks} held-out problems)")
@@ -83,7 +85,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
         launcher = LocalLauncher(cfg, config_path, run_dir)
     rl_started = time.monotonic()
     where = "as Ray actors" if ray is not None else "as processes"
-    with console.status(f"starting buffer, engines, trainer and rollout workers {where} ..."):
+    with _status(console, f"starting buffer, engines, trainer and rollout workers {where} ..."):
         launcher.start(on_event=lambda message: console.print(f"[yellow]{message}[/]"))
     parts = launcher.describe()
     metrics_path = run_dir / "metrics.jsonl"
@@ -99,7 +101,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
         buffer_metrics = buffer_counts(launcher)
         after = None
         if cfg.warmstart.check_tasks:  # on the engines, which serve the final weights
-            with console.status("measuring success after RL ..."):
+            with _status(console, "measuring success after RL ..."):
                 after = asyncio.run(measure_success(cfg, None, cfg.warmstart.check_tasks, urls=launcher.engine_urls))
     finally:
         launcher.shutdown()
@@ -114,6 +116,17 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
                "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+@contextlib.contextmanager
+def _status(console: Console, text: str) -> Iterator[None]:
+    """A spinner on a terminal; in a log file (where a spinner draws nothing) the line itself."""
+    if console.is_terminal:
+        with console.status(text):
+            yield
+    else:
+        console.print(text)
+        yield
 
 
 def _warm_start(cfg: Config, console: Console) -> tuple[Config, dict[str, Any] | None]:
@@ -131,6 +144,9 @@ def _warm_start(cfg: Config, console: Console) -> tuple[Config, dict[str, Any] |
 
         def report(step: int, steps: int, loss: float) -> None:
             progress.update(bar, completed=step, total=steps, nll=f"{loss:.3f}")
+            # a bar draws nothing into a log file: there, a line every tenth of the way
+            if not console.is_terminal and (step == steps or step % max(1, steps // 10) == 0):
+                console.print(f"warm-start step {step}/{steps}, nll {loss:.3f}, {time.monotonic() - began:.0f} s")
 
         path, cached = warm_start(cfg, base, default_cache_dir(), report)
     info = json.loads((path / "warmstart.json").read_text())
@@ -223,7 +239,12 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table = Table(title="run summary", show_header=False)
     for key, label in (("success_before", "success before RL"), ("success_after", "success after RL")):
         if s := summary.get(key):
-            table.add_row(label, f"{s['sampled']:.1%} sampled, {s['greedy']:.1%} greedy ({s['tasks']} held-out)")
+            rewards = ""
+            if "mean_reward" in s.get("sampled_metrics", {}):  # a reward that is not 0/1 says more than success
+                rewards = (f"; mean reward {s['sampled_metrics']['mean_reward']:.3f} sampled, "
+                           f"{s['greedy_metrics']['mean_reward']:.3f} greedy")
+            success = f"{s['sampled']:.1%} sampled, {s['greedy']:.1%} greedy ({s['tasks']} held-out)"
+            table.add_row(label, success + rewards)
     last = summary.get("last") or {}
     counters = last.get("counters", {})
     trained = counters.get("trajectories_trained", 0)

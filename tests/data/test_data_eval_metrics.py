@@ -31,11 +31,15 @@ def test_reward_metrics_average_over_tasks() -> None:
     assert reward_metrics([[0.5, 0.9]], ks=[1], threshold=0.8)["pass@1"] == pytest.approx(0.5)
 
 
-def test_group_metrics_add_stop_reasons_tokens_and_versions() -> None:
-    def traj(reward: float, reason: StopReason, version: int) -> Trajectory:
+def test_group_metrics_add_stop_reasons_tokens_versions_and_env_metrics() -> None:
+    def traj(reward: float, reason: StopReason, version: int, metrics: dict[str, float]) -> Trajectory:
         turn = Turn(prompt_ids=[1], completion_ids=[2, 3], logprobs=[-1.0, -1.0], versions=[version, version + 1])
-        return Trajectory(task_id="t", group_id="g", sample_index=0, turns=[turn], stop_reason=reason, reward=reward)
+        return Trajectory(task_id="t", group_id="g", sample_index=0, turns=[turn], stop_reason=reason, reward=reward,
+                          metrics=metrics)
 
-    m = group_metrics([[traj(1.0, StopReason.DONE, 3), traj(0.0, StopReason.TRUNCATED, 4)]], ks=[1])
+    m = group_metrics([[traj(1.0, StopReason.DONE, 3, {"guesses": 3.0, "calls": 1.0}),
+                        traj(0.0, StopReason.TRUNCATED, 4, {"guesses": 6.0})]], ks=[1])
+    # each env metric averaged over the episodes that report it (an env error may leave one out)
+    assert m["metric/guesses"] == 4.5 and m["metric/calls"] == 1.0
     assert m["pass@1"] == 0.5 and m["stop/done"] == 0.5 and m["stop/truncated"] == 0.5
     assert m["mean_completion_tokens"] == 2.0 and m["version_min"] == 3.0 and m["version_max"] == 5.0

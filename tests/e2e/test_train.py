@@ -47,6 +47,8 @@ def test_train_runs_every_part_and_accounts_for_every_trajectory(tmp_path: Path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = tmp_path / "local"
     assert "run summary" in done.stdout and "success before RL" in done.stdout
+    # into a pipe (a log file) each phase still says what it is doing, where a spinner would draw nothing
+    assert "measuring success on 8 held-out problems" in done.stdout and "measuring success after RL" in done.stdout
     config = (run / "config.yaml").read_text()
     assert "/warmstart/" in config  # every part started from the warm-started model
     samples = (run / "samples.md").read_text()
@@ -61,6 +63,10 @@ def test_train_runs_every_part_and_accounts_for_every_trajectory(tmp_path: Path)
     assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"] and b["trained"] >= 24
     for key in ("success_before", "success_after"):
         assert summary[key]["tasks"] == 8 and 0.0 <= summary[key]["sampled"] <= 1.0
+        for mode in ("sampled", "greedy"):  # the whole round is kept: mean reward, the env's metrics
+            round_ = summary[key][f"{mode}_metrics"]
+            assert round_["num_tasks"] == 8 and round_["pass@1"] == summary[key][mode]
+            assert 0.0 <= round_["metric/answered"] <= 1.0
     assert summary["warmstart"]["demonstrations"] == 64 and summary["warmstart"]["steps"] == 2  # batches of 32
     (worker,) = summary["rollout"]  # the rollout worker's own figures reached the launcher
     assert worker["sent"] == b["received"] > 0 and worker["in_flight"] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,18 @@ def test_bad_stages_are_named() -> None:
     cfg = msgspec.structs.replace(config(), warmstart=bad)
     with pytest.raises(WarmstartError, match=r"warmstart\.stages\[0\]\.env_args: .*demo_tool_fractio"):
         train_sft(cfg, REPO / "nowhere", REPO / "nowhere-out")
+
+
+def test_the_warm_start_writes_progress_lines_into_a_log(tiny_model_dir: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    from slime_async.launch.train_run import _warm_start
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # its own cache: trained here, not found
+    log = io.StringIO()  # not a terminal: a progress bar would draw nothing there
+    _, info = _warm_start(config(f"model.path={tiny_model_dir}"), Console(file=log, width=200))
+    lines = [line for line in log.getvalue().splitlines() if line.strip()]
+    assert info is not None and not info["cached"] and info["steps"] == 4
+    assert [line.split(",")[0] for line in lines[:-1]] == [f"warm-start step {i}/4" for i in range(1, 5)]
+    assert lines[-1].startswith("warm-start: trained")
