@@ -6,7 +6,6 @@ A multi-turn env without tools (it answers in `on_reply`). Reward on success: 2 
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from typing import Annotated
@@ -28,6 +27,10 @@ class GuessArgs(EnvArgs):
     """Each reply also names the range still open ("Higher. From 33 to 64."): the player needs no
     memory of earlier replies, only to choose well within two numbers (a tiny model cannot yet
     track the bounds over many turns; it can learn to pick near the middle)."""
+    demo_bisection: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    """The share of demonstrations that bisect; the others search at random within the open range.
+    A warm-start on a mix shows both searches and leaves RL to learn which one earns more, as the
+    calculator's warm-start shows answers with and without the tool."""
     limits: Limits = msgspec.field(default_factory=lambda: Limits(max_turns=14, max_total_tokens=2048))
 
 
@@ -38,18 +41,20 @@ class GuessNumberEnv(Env):
     def __init__(self, args: GuessArgs | None = None) -> None:
         super().__init__(args)
         self.guesses = 0
+        self.midpoints = 0
         self.invalid = 0
         self.solved = False
         self.lo, self.hi = 1, self.args.high
 
     @classmethod
     def tasks(cls, args: GuessArgs, split: Split) -> list[Task]:  # type: ignore[override]
-        # A target belongs to one split for good (a hash of it), so eval targets are never trained on.
-        targets = [n for n in range(1, args.high + 1) if _split_of(n) == split]
+        # The hidden target is the whole task, so both splits draw it from all of 1..high, each from
+        # its own random stream. Split by target, held-out games would be another game: a policy
+        # trained on the rest learns that the held-out numbers are never the answer.
         rng = random.Random(f"guess_number:{args.high}:{args.seed}:{split}")
         count = args.num_train if split == "train" else args.num_eval
         return [
-            Task(id=f"guess-{split}-{args.seed}-{i}", prompt=cls.question(args.high), answer=rng.choice(targets))
+            Task(id=f"guess-{split}-{args.seed}-{i}", prompt=cls.question(args.high), answer=rng.randint(1, args.high))
             for i in range(count)
         ]
 
@@ -59,10 +64,13 @@ class GuessNumberEnv(Env):
 
     @classmethod
     def demonstration(cls, args: EnvArgs, task: Task) -> list[str]:
-        # Random guesses within the bounds the feedback leaves, not binary search: the warm-start
-        # teaches the game's form and leaves RL a better search to find (fewer guesses, more reward).
+        # Mostly random guesses within the bounds the feedback leaves: the warm-start teaches the
+        # game's form and leaves RL a better search to find (fewer guesses, more reward).
         assert isinstance(args, GuessArgs)
-        return random_search_replies(int(task.answer), args.high, random.Random(task.id), args.limits.max_turns)
+        rng, target = random.Random(task.id), int(task.answer)
+        if rng.random() < args.demo_bisection:
+            return binary_search_replies(target, args.high)
+        return random_search_replies(target, args.high, rng, args.limits.max_turns)
 
     async def on_reply(self, message: Message) -> list[Message] | None:
         found = _INT.findall(message.content)
@@ -71,6 +79,7 @@ class GuessNumberEnv(Env):
             return [Message(role="user", content=f"Reply with one number from 1 to {self.args.high}.")]
         self.guesses += 1
         guess, target = int(found[-1]), self.task.answer if self.task else None
+        self.midpoints += guess == (self.lo + self.hi) // 2
         if guess == target:
             self.solved = True
             return None
@@ -82,7 +91,7 @@ class GuessNumberEnv(Env):
 
     @reward
     def win(self) -> float:
-        return 2.0 - self.guesses / 10 if self.solved else 0.0
+        return reward_for(self.guesses) if self.solved else 0.0
 
     @metric
     def num_guesses(self) -> float:
@@ -95,6 +104,16 @@ class GuessNumberEnv(Env):
     @metric
     def invalid_replies(self) -> float:
         return float(self.invalid)
+
+    @metric
+    def midpoint_share(self) -> float:
+        """The share of guesses at the middle of the open range (1 for bisection): which search it plays."""
+        return self.midpoints / self.guesses if self.guesses else 0.0
+
+
+def reward_for(guesses: int) -> float:
+    """The reward of a game won in `guesses` guesses (at least 1 up to 10 guesses)."""
+    return 2.0 - guesses / 10
 
 
 def binary_search_replies(target: int, high: int = 1024) -> list[str]:
@@ -122,7 +141,3 @@ def random_search_replies(target: int, high: int, rng: random.Random, max_guesse
         if guess == target:
             return out
         lo, hi = (guess + 1, hi) if guess < target else (lo, guess - 1)
-
-
-def _split_of(n: int) -> Split:
-    return "eval" if int(hashlib.sha256(f"guess:{n}".encode()).hexdigest(), 16) % 10 == 0 else "train"

@@ -6,9 +6,10 @@ import random
 import statistics
 from typing import Any
 
+import msgspec
 import pytest
 
-from envs.guess_number import GuessArgs, GuessNumberEnv, binary_search_replies, random_search_replies
+from envs.guess_number import GuessArgs, GuessNumberEnv, binary_search_replies, random_search_replies, reward_for
 from slime_async.env import Limits, ScriptedPolicy, run_episode
 from slime_async.types import StopReason, Task
 
@@ -54,13 +55,15 @@ async def test_losing_and_invalid_replies(tokenizer: Any) -> None:
     assert traj.metrics["found"] == 0.0
 
 
-def test_tasks_are_deterministic_and_split() -> None:
-    args = GuessArgs(num_train=300, num_eval=50)
+def test_tasks_are_deterministic_and_both_splits_play_the_same_game() -> None:
+    args = GuessArgs(high=64, num_train=2000, num_eval=2000)
     train, held_out = GuessNumberEnv.tasks(args, "train"), GuessNumberEnv.tasks(args, "eval")
-    assert train == GuessNumberEnv.tasks(args, "train")
-    assert not {t.answer for t in train} & {t.answer for t in held_out}
-    assert all(1 <= t.answer <= 1024 for t in train + held_out)
-    assert len({t.id for t in train}) == 300
+    assert train == GuessNumberEnv.tasks(args, "train") and len({t.id for t in train}) == 2000
+    assert not {t.id for t in train} & {t.id for t in held_out}
+    assert [t.answer for t in train] != [t.answer for t in held_out]
+    # the hidden target is the whole task: held-out games draw it from the same numbers (a split by
+    # target would teach a policy trained on the rest that the held-out numbers never win)
+    assert {t.answer for t in train} == {t.answer for t in held_out} == set(range(1, 65))
 
 
 def test_random_search_is_capped_to_win_within_the_turns() -> None:
@@ -84,3 +87,30 @@ async def test_said_bounds_narrow_and_ignore_guesses_outside_them(tokenizer: Any
     assert said == ["Higher. From 33 to 64.", "Lower. From 33 to 47.", "Lower. From 33 to 47.",
                     "Higher. From 41 to 47.", "Lower. From 41 to 43."]
     assert traj.reward == pytest.approx(2.0 - 0.6) and traj.metrics["num_guesses"] == 6
+    # 32, 48, 40 and 44 were the middle of 1..64, 33..64, 33..47 and 41..47; 50 and 43 were not
+    assert traj.metrics["midpoint_share"] == pytest.approx(4 / 6)
+
+
+async def test_bisection_guesses_only_midpoints(tokenizer: Any) -> None:
+    env = GuessNumberEnv(GuessArgs(high=64, say_bounds=True))
+    replies = binary_search_replies(43, 64)
+    traj = await run_episode(env, task(43), ScriptedPolicy(replies, tokenizer), tokenizer)
+    assert traj.metrics["midpoint_share"] == 1.0 and traj.reward == reward_for(len(replies))
+
+
+def test_demonstrations_mix_bisection_and_random_search() -> None:
+    def demos(share: float) -> list[list[str]]:
+        args = GuessArgs(high=64, num_train=400, demo_bisection=share)
+        return [GuessNumberEnv.demonstration(args, t) for t in GuessNumberEnv.tasks(args, "train")]
+
+    def bisects(game: list[str], target: int) -> bool:
+        return game == binary_search_replies(target, 64)
+
+    targets = [t.answer for t in GuessNumberEnv.tasks(GuessArgs(high=64, num_train=400), "train")]
+    for share, low, high in ((0.0, 0, 0.05), (0.25, 0.18, 0.32), (1.0, 1.0, 1.0)):
+        games = demos(share)
+        assert all(g[-1] == str(t) and len(g) <= 14 for g, t in zip(games, targets, strict=True))
+        # a random search bisects by chance only when its every guess happens to be a midpoint
+        assert low <= sum(map(bisects, games, targets)) / len(games) <= high
+    with pytest.raises(Exception, match="demo_bisection"):
+        msgspec.convert({"demo_bisection": 1.5}, GuessArgs)

@@ -66,6 +66,11 @@ def test_guess_number_demonstrations_search_within_the_feedback_bounds(tiny_mode
     assert all(d.reward > 0 for d in demos)  # every one finds the number
     guesses = [d.metrics["num_guesses"] for d in demos]
     assert max(guesses) > 7  # random, not binary search (which needs at most 7 for 1..64)
+    assert sum(d.metrics["midpoint_share"] == 1.0 for d in demos) < 5
+    # with demo_bisection every demonstration bisects, as played through the env
+    factory = EnvFactory.from_config("envs.guess_number:GuessNumberEnv", {"high": 64, "demo_bisection": 1.0})
+    demos = asyncio.run(demonstrations(factory, tokenizer, 20, seed=0))
+    assert all(d.metrics["midpoint_share"] == 1.0 and d.metrics["num_guesses"] <= 7 for d in demos)
 
 
 def test_warm_start_lowers_the_demonstrations_loss_and_is_cached(tiny_model_dir: Path, tmp_path: Path) -> None:
