@@ -15,6 +15,7 @@ addresses replaced: each part's process then belongs to a Ray actor in its role'
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 import time
@@ -144,15 +145,17 @@ class LocalLauncher:
     """Whether this launcher can start trainer ranks that join one torch.distributed group."""
 
     def spawn(self, name: str, argv: list[str], ready: str | None, *, health_url: str | None = None,
-              port: int = 0) -> Child:
+              port: int = 0, orphan_signal: int = signal.SIGTERM) -> Child:
         """Start one part's process here and wait (bounded) until it is ready: its ready line matches
-        `ready`, or `health_url` answers 200. `argv` and `health_url` may hold the placeholders."""
+        `ready`, or `health_url` answers 200. `argv` and `health_url` may hold the placeholders.
+        The process gets `orphan_signal` if this launcher dies without shutting it down."""
         host = self.cfg.engine.host
         port = port or free_port(host)
         argv = [fill(a, host, port, str(self.config_path)) for a in argv]
         preflight(argv)
         timeout = self.cfg.launch.ready_timeout_s
-        child = start_process(name, argv, ready, timeout, self.run_dir / "logs" / f"{name}.log")
+        child = start_process(name, argv, ready, timeout, self.run_dir / "logs" / f"{name}.log",
+                              parent_death_signal=orphan_signal)
         if health_url is not None:
             url = fill(health_url, host, port, "")
             try:
@@ -221,7 +224,11 @@ class LocalLauncher:
                           health_url=f"http://{HOST}:{PORT}", port=port)
 
     def _start_trainer(self) -> None:
-        self._launch(Part("trainer", lambda restarts: self.spawn("trainer", self._trainer_argv(), r"^READY")))
+        # SIGKILL, not SIGTERM, when the launcher dies: the buffer and engines die with it, so a graceful
+        # end would wait out the timeouts of its last requests to them (30 s and more), and a killed
+        # trainer loses nothing (checkpoints; the buffer hands unreported batches back on --resume)
+        self._launch(Part("trainer", lambda restarts: self.spawn("trainer", self._trainer_argv(), r"^READY",
+                                                                 orphan_signal=signal.SIGKILL)))
 
     def _trainer_argv(self) -> list[str]:
         return [sys.executable, "-m", "slime_async.train.worker", CONFIG, "--buffer", self.buffer_endpoint,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,7 +152,8 @@ class RayLauncher(LocalLauncher):
                 "wait": wait}
 
     def spawn(self, name: str, argv: list[str], ready: str | None, *, health_url: str | None = None,
-              port: int = 0) -> Child:
+              port: int = 0, orphan_signal: int = signal.SIGKILL) -> Child:
+        """`orphan_signal` is not used: every part here gets SIGKILL when its actor dies (`ray_actor`)."""
         import ray
 
         actor = self._new_actor(name)

@@ -111,13 +111,17 @@ def test_a_killed_launcher_leaves_nothing_running(tmp_path: Path) -> None:
     proc = subprocess.Popen(train_command(tmp_path, "train.steps=50"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, cwd=REPO)
     config = str(tmp_path / "local" / "config.yaml")
+    metrics = tmp_path / "local" / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while len(processes_mentioning(config)) < 2:  # trainer and rollout worker are up
+    # every part is up and the trainer is in its loop (a graceful end of it would wait on the dead buffer)
+    while not (metrics.exists() and metrics.read_text().strip()):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.2)
     proc.kill()  # SIGKILL: no shutdown code runs in the launcher
     proc.wait()
-    deadline = time.monotonic() + 60
+    # far more than a signalled process needs to exit; less than the >= 10 s that an orphaned
+    # trainer ending gracefully spends waiting for a batch from the dead buffer
+    deadline = time.monotonic() + 10
     while processes_mentioning(config) or processes_mentioning(str(tmp_path / "local" / "buffer-wal")):
         assert time.monotonic() < deadline, "children outlived their launcher"
         time.sleep(0.2)
