@@ -71,37 +71,67 @@ def read_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
 SMALL_COPY_ELEMENTS = 1 << 20
 """Tensors below this many elements are copied on one CPU thread (see `copy_in_place`)."""
 
+LARGE_DEVICE_COPY_ELEMENTS = 1 << 24
+"""On a GPU, tensors of at least this many elements are copied one by one (see `copy_in_place`)."""
+
+
+Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]
+"""Destinations and sources, copied pairwise."""
+
 
 def copy_in_place(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
     """Copy `tensors` into the same-named `params`, all or nothing: every name, shape and dtype
     kind is checked before the first copy, so a bad update changes nothing (ValueError)."""
+    first = next(iter(tensors), None)
+    on_device = first is not None and first in params and params[first].device.type != "cpu"
+    threshold = LARGE_DEVICE_COPY_ELEMENTS if on_device else SMALL_COPY_ELEMENTS
+    small: Pairs = ([], [])
+    large: Pairs = ([], [])
+    # one pass: checking and sorting a 0.5B model's 291 tensors is ~0.2 ms of Python, paid before
+    # the first copy starts (a fifth of its whole update on an H200)
     for name, tensor in tensors.items():
-        if name not in params:
+        param = params.get(name)
+        if param is None:
             raise ValueError(f"unknown weight name {name!r}")
-        if tuple(tensor.shape) != tuple(params[name].shape):
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(params[name].shape)}"
-            )
-        if not tensor.is_floating_point() and params[name].is_floating_point():
+        shape = tensor.shape
+        if shape != param.shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(shape)}, the model's is {tuple(param.shape)}")
+        if not tensor.is_floating_point() and param.is_floating_point():
             raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating point tensor")
-    names = list(tensors)
+        pairs = large if shape.numel() >= threshold else small
+        pairs[0].append(param)
+        pairs[1].append(tensor)
     with torch.no_grad():
-        if not names or params[names[0]].device.type != "cpu":
-            # one fused multi-tensor copy: per-tensor copy_ calls cost a launch each (7x the copy
-            # bound for a 0.5B model on an H200)
-            torch._foreach_copy_([params[n] for n in names], [tensors[n] for n in names])
+        if on_device:
+            copy_on_device(large, small)
             return
         # on a CPU, each copy above ~32k elements is an OpenMP region; for tensors of a few MB
         # waking and joining the other threads costs more than it saves (the tiny model's update
         # took 1.75 ms with 2 threads and 0.91 ms with one on the 2-core machine), so small tensors
         # are copied on this thread alone and only large ones in parallel
-        small = [n for n in names if tensors[n].numel() < SMALL_COPY_ELEMENTS]
-        large = [n for n in names if tensors[n].numel() >= SMALL_COPY_ELEMENTS]
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            torch._foreach_copy_([params[n] for n in small], [tensors[n] for n in small])
-        finally:
-            torch.set_num_threads(threads)
-        if large:
-            torch._foreach_copy_([params[n] for n in large], [tensors[n] for n in large])
+        if small[0]:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                torch._foreach_copy_(*small)
+            finally:
+                torch.set_num_threads(threads)
+        if large[0]:
+            torch._foreach_copy_(*large)
+
+
+def copy_on_device(large: Pairs, rest: Pairs) -> None:
+    """The copies of an update on a GPU: `large` (from `LARGE_DEVICE_COPY_ELEMENTS` elements) one by
+    one, then `rest` in one fused multi-tensor copy; as few launches as keep it at the memory's
+    bandwidth.
+
+    On an H200, for a 0.5B model's 291 tensors in bf16 (1202 MiB; one flat copy: 0.64 ms): a
+    `copy_` each took 2.7x that (a launch each, most tensors too small to hide it), one fused
+    multi-tensor copy of all 1.6x (its kernel moves the two 136M-element embedding matrices well
+    below the bandwidth of a plain memcpy), and the two embeddings by `copy_` then the rest fused
+    1.26x. From 16M elements (32 MB in bf16, ~16 us of copying) a launch costs little beside it.
+    """
+    for dst, src in zip(*large, strict=True):  # first: their memcpys run while the fused copy is launched
+        dst.copy_(src)
+    if rest[0]:
+        torch._foreach_copy_(*rest)
