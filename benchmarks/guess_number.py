@@ -26,6 +26,7 @@ from benchmarks import Result
 from benchmarks._runs import run_training
 from envs.guess_number import GuessArgs, GuessNumberEnv, binary_search_replies, random_search_replies
 from slime_async.config import load_config
+from slime_async.data.eval_metrics import reward_metrics
 from slime_async.types import Message, Task
 
 DESCRIPTION = "guess_number: mean guesses and reward before/after async RL vs random search and bisection"
@@ -55,13 +56,16 @@ def scripted_rows(num_tasks: int) -> tuple[list[list[Any]], float]:
         f"the demonstrations ({args.demo_bisection:.0%} bisect)": [
             GuessNumberEnv.demonstration(args, t) for t in tasks],
     }
+    async def play_all(games: list[list[str]]) -> list[GuessNumberEnv]:
+        return [await play(args, int(t.answer), g) for t, g in zip(tasks, games, strict=True)]
+
     rows = []
     for name, games in searches.items():
-        envs = [asyncio.run(play(args, int(t.answer), g)) for t, g in zip(tasks, games, strict=True)]
-        rewards = [e.win() for e in envs]
+        envs = asyncio.run(play_all(games))
+        # scored as the eval scores the model's games (one sample a game: pass@1 is the share solved)
+        scores = reward_metrics([[e.win()] for e in envs], [1])
         rows.append([name, statistics.mean(e.found() for e in envs), statistics.mean(e.num_guesses() for e in envs),
-                     statistics.mean(rewards), sum(r >= 1.0 for r in rewards) / len(rewards),
-                     statistics.mean(e.midpoint_share() for e in envs)])
+                     scores["mean_reward"], scores["pass@1"], statistics.mean(e.midpoint_share() for e in envs)])
     return rows, rows[0][3]
 
 

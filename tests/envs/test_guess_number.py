@@ -112,5 +112,5 @@ def test_demonstrations_mix_bisection_and_random_search() -> None:
         assert all(g[-1] == str(t) and len(g) <= 14 for g, t in zip(games, targets, strict=True))
         # a random search bisects by chance only when its every guess happens to be a midpoint
         assert low <= sum(map(bisects, games, targets)) / len(games) <= high
-    with pytest.raises(Exception, match="demo_bisection"):
+    with pytest.raises(msgspec.ValidationError, match="demo_bisection"):
         msgspec.convert({"demo_bisection": 1.5}, GuessArgs)
