@@ -26,7 +26,7 @@ from slime_async.engine.graphs import make_decoder
 from slime_async.engine.model import SlotModel
 from slime_async.engine.protocol import SamplingParams
 from slime_async.engine.sampling import sample
-from slime_async.engine.weights import copy_in_place
+from slime_async.engine.weights import InPlaceCopier
 
 
 @dataclass
@@ -74,6 +74,7 @@ class Engine:
         # tied weights answer to both names (lm_head.weight and model.embed_tokens.weight); the
         # Parameter objects outlive device moves (release/resume), so the map is built once
         self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._copy_in = InPlaceCopier(self._params)
         self.decoder = make_decoder(self.slots, cuda_graphs)
         """The decode step: eager on CPU, CUDA graphs per batch-size bucket on a GPU."""
         self.generator = torch.Generator(device=self.slots.device).manual_seed(seed)
@@ -302,7 +303,7 @@ class Engine:
 
         Every name and shape is checked before the first copy, so a bad update changes nothing.
         """
-        copy_in_place(self._params, tensors)
+        self._copy_in(tensors)
         if any(t.is_cuda for t in tensors.values()):
             # the sender may reuse shared (CUDA IPC) memory as soon as we answer: finish reading it
             torch.cuda.synchronize()

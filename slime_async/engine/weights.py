@@ -4,6 +4,7 @@ tensor handles from `shared_tensors`, or files on disk), and their copy into the
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,17 +80,28 @@ Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]
 """Destinations and sources, copied pairwise."""
 
 
-def copy_in_place(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-    """Copy `tensors` into the same-named `params`, all or nothing: every name, shape and dtype
-    kind is checked before the first copy, so a bad update changes nothing (ValueError)."""
+@dataclass
+class CopyPlan:
+    """An update's checked names and shapes, and how each of its tensors is copied."""
+
+    names: tuple[str, ...]
+    shapes: list[torch.Size]
+    on_device: bool
+    large: list[int]
+    """Positions (in `names`) of the tensors copied apart: see `copy_on_device` and `SMALL_COPY_ELEMENTS`."""
+    small: list[int]
+    large_params: list[torch.Tensor]
+    small_params: list[torch.Tensor]
+
+
+def plan_copy(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> CopyPlan:
+    """Check every name, shape and dtype kind of `tensors` against `params` (ValueError naming the
+    first bad one) and sort them into the copies `copy_in_place` makes."""
     first = next(iter(tensors), None)
     on_device = first is not None and first in params and params[first].device.type != "cpu"
     threshold = LARGE_DEVICE_COPY_ELEMENTS if on_device else SMALL_COPY_ELEMENTS
-    small: Pairs = ([], [])
-    large: Pairs = ([], [])
-    # one pass: checking and sorting a 0.5B model's 291 tensors is ~0.2 ms of Python, paid before
-    # the first copy starts (a fifth of its whole update on an H200)
-    for name, tensor in tensors.items():
+    plan = CopyPlan(tuple(tensors), [], on_device, [], [], [], [])
+    for i, (name, tensor) in enumerate(tensors.items()):
         param = params.get(name)
         if param is None:
             raise ValueError(f"unknown weight name {name!r}")
@@ -98,11 +110,52 @@ def copy_in_place(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
             raise ValueError(f"weight {name!r} has shape {tuple(shape)}, the model's is {tuple(param.shape)}")
         if not tensor.is_floating_point() and param.is_floating_point():
             raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating point tensor")
-        pairs = large if shape.numel() >= threshold else small
-        pairs[0].append(param)
-        pairs[1].append(tensor)
+        plan.shapes.append(shape)
+        if shape.numel() >= threshold:
+            plan.large.append(i)
+            plan.large_params.append(param)
+        else:
+            plan.small.append(i)
+            plan.small_params.append(param)
+    return plan
+
+
+def copy_in_place(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` into the same-named `params`, all or nothing: every name, shape and dtype
+    kind is checked before the first copy, so a bad update changes nothing (ValueError)."""
+    run_plan(plan_copy(params, tensors), list(tensors.values()))
+
+
+class InPlaceCopier:
+    """`copy_in_place` into one model's `params`, for update after update.
+
+    A trainer sends the same names with the same shapes every step, so an update that matches the
+    last plan in a few list comparisons reuses it; anything else is checked tensor by tensor again.
+    That is ~0.09 ms less before the first copy starts for a 0.5B model's 291 tensors, a tenth of
+    its whole update on an H200."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.params = params
+        self._plan: CopyPlan | None = None
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> None:
+        sources = list(tensors.values())
+        plan = self._plan
+        if (plan is None or plan.names != tuple(tensors) or [t.shape for t in sources] != plan.shapes
+                or not all(dtype.is_floating_point for dtype in {t.dtype for t in sources})
+                or plan.on_device != (bool(sources) and self.params[plan.names[0]].device.type != "cpu")):
+            # parameters keep their identity when the engine moves them (release_memory): only
+            # the device, and so the split by size, can change under the plan
+            plan = self._plan = plan_copy(self.params, tensors)
+        run_plan(plan, sources)
+
+
+def run_plan(plan: CopyPlan, sources: list[torch.Tensor]) -> None:
+    """The copies of a checked update; `sources` in the order of `plan.names`."""
+    large = (plan.large_params, [sources[i] for i in plan.large])
+    small = (plan.small_params, [sources[i] for i in plan.small])
     with torch.no_grad():
-        if on_device:
+        if plan.on_device:
             copy_on_device(large, small)
             return
         # on a CPU, each copy above ~32k elements is an OpenMP region; for tensors of a few MB
