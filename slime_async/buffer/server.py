@@ -115,7 +115,7 @@ class BufferServer:
         self._closed = False
 
     # -- loop -------------------------------------------------------------------------------------
-    def serve(self, stop: threading.Event | None = None) -> None:
+    def serve(self, stop: threading.Event | StopFlag | None = None) -> None:
         """Run until `stop` is set (or forever)."""
         while stop is None or not stop.is_set():
             self.step(0.1 if stop is not None else 1.0)
@@ -306,6 +306,21 @@ def _frame(frames: list[p.Payload], index: int, what: str) -> p.Payload:
     return frames[index]
 
 
+class StopFlag:
+    """`serve`'s stop, set from a signal handler. No lock: a handler runs on the main thread between
+    any two bytecodes, also inside itself when the next signal comes, and one that took
+    `threading.Event`'s lock deadlocked there (seen after a launcher's death: four nested handlers)."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self, *_: object) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m slime_async.buffer SETTINGS_JSON`: serve until SIGTERM or SIGINT."""
     args = sys.argv[1:] if argv is None else argv
@@ -314,9 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = msgspec.json.decode(args[0], type=ServerSettings)
     server = BufferServer(settings)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = StopFlag()
+    signal.signal(signal.SIGTERM, stop.set)
+    signal.signal(signal.SIGINT, stop.set)
     print(f"READY {server.endpoint}", flush=True)
     try:
         server.serve(stop)

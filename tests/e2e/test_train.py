@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -122,9 +123,17 @@ def test_a_killed_launcher_leaves_nothing_running(tmp_path: Path) -> None:
     # far more than a signalled process needs to exit; less than the >= 10 s that an orphaned
     # trainer ending gracefully spends waiting for a batch from the dead buffer
     deadline = time.monotonic() + 10
-    while processes_mentioning(config) or processes_mentioning(str(tmp_path / "local" / "buffer-wal")):
-        assert time.monotonic() < deadline, "children outlived their launcher"
+    while left := processes_mentioning(config) + processes_mentioning(str(tmp_path / "local" / "buffer-wal")):
+        assert time.monotonic() < deadline, f"children outlived their launcher: {command_lines(left)}"
         time.sleep(0.2)
+
+
+def command_lines(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone meanwhile
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200])
+    return out
 
 
 def test_evaluation_runs_beside_training(tmp_path: Path) -> None:
