@@ -52,7 +52,7 @@ def run(quick: bool = False) -> Result:
     speedup2 = by[("tail", 2, 0)][8]
     plain = by[("plain", 2, 0)][8]
     speedups4 = [by[("tail", 4, seed)][8] for seed in seeds]
-    gaps2 = by[("tail", 2, 0)][5] - by[("tail", 0, 0)][5]
+    gap2 = by[("tail", 2, 0)][5] - by[("tail", 0, 0)][5]
     gaps4 = [by[("tail", 4, seed)][5] - by[("tail", 0, seed)][5] for seed in seeds]
     sync = [by[("tail", 0, seed)][5] for seed in seeds]
     async4 = [by[("tail", 4, seed)][5] for seed in seeds]
@@ -65,7 +65,7 @@ def run(quick: bool = False) -> Result:
                  f"(mean of {len(seeds)} seeds, {min(speedups4):.2f}-{max(speedups4):.2f}; goal {GOAL}x), "
                  f"{speedup2:.2f}x at eta 2 (without the tail {plain:.2f}x); final sampled success async - sync at "
                  f"eta 4: {100 * gap4:+.1f} points, mean of {len(seeds)} seeds "
-                 f"({', '.join(f'{100 * g:+.1f}' for g in gaps4)}; goal within 2 points), at eta 2 {100 * gaps2:+.1f}",
+                 f"({', '.join(f'{100 * g:+.1f}' for g in gaps4)}; goal within 2 points), at eta 2 {100 * gap2:+.1f}",
         details={"runs": runs, "steps": steps, "seeds": seeds, "tool_latency_median_s": latency,
                  "tool_latency_p99_factor": 10,
                  "eta4": {"speedups": speedups4, "success_gaps": gaps4, "success_sync": sync, "success_async": async4,

@@ -141,13 +141,19 @@ class InPlaceCopier:
     def __call__(self, tensors: dict[str, torch.Tensor]) -> None:
         sources = list(tensors.values())
         plan = self._plan
-        if (plan is None or plan.names != tuple(tensors) or [t.shape for t in sources] != plan.shapes
-                or not all(dtype.is_floating_point for dtype in {t.dtype for t in sources})
-                or plan.on_device != (bool(sources) and self.params[plan.names[0]].device.type != "cpu")):
-            # parameters keep their identity when the engine moves them (release_memory): only
-            # the device, and so the split by size, can change under the plan
+        if plan is None or not self._fits(plan, tensors, sources):
             plan = self._plan = plan_copy(self.params, tensors)
         run_plan(plan, sources)
+
+    def _fits(self, plan: CopyPlan, tensors: dict[str, torch.Tensor], sources: list[torch.Tensor]) -> bool:
+        """Whether `plan_copy` would make `plan` again for this update: the same names and shapes,
+        float sources, and the parameters still on the plan's side of the CPU/GPU split (they keep
+        their identity when the engine moves them, in release_memory: only their device changes)."""
+        if plan.names != tuple(tensors) or [t.shape for t in sources] != plan.shapes:
+            return False
+        if not all(dtype.is_floating_point for dtype in {t.dtype for t in sources}):
+            return False
+        return not sources or plan.on_device == (self.params[plan.names[0]].device.type != "cpu")
 
 
 def run_plan(plan: CopyPlan, sources: list[torch.Tensor]) -> None:
