@@ -426,6 +426,10 @@ class WarmstartConfig(_Section):
     """Steps of linear learning-rate warm-up (a tiny model's Adam diverges from copying without it)."""
     seed: int | None = None
     """Seed of the demonstrations' order and of training; null: `run.seed`."""
+    env: EnvConfig | None = None
+    """The env whose demonstrations train (`name`, `args`; stages' `env_args` apply to it); null: the
+    run's `env`. For an env that poses the same tasks with the same tokens as another, such as a
+    black-box agent of an env (`configs/calculator_agent.yaml`), whose warm-start is then shared."""
     min_success: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     """Stop before RL when the sampled success (reward >= 1, at `rollout.sampling`) of the model RL
     starts from, on `check_tasks` held-out problems, is below this (0: no floor). RL cannot learn

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
+from slime_async.agents.server import close_shared_server
 from slime_async.config import Config, load_config
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.data.eval_suite import EvalSuite, run_suites, suites_from_config
@@ -86,6 +87,7 @@ async def eval_rounds(cfg: Config, suites: list[EvalSuite], engines: list[str], 
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), poll_s)
         await close_shared_remote_rewards()
+        await close_shared_server()  # the agent endpoint, when an agent env started one
     log_out.close()
     return rounds
 

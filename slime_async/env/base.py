@@ -114,6 +114,14 @@ class Env:
     async def teardown(self) -> None:
         """Release what `setup` took. Runs after every episode, however it ended."""
 
+    async def drive(self, session: Any) -> float | None:
+        """Override to drive the episode from outside instead of the model-call loop: the episode
+        calls it once, after `setup`, with a session (`slime_async.env.driven.DrivenEpisode`)
+        whose `complete(messages, ...)` makes model calls, recorded token-exactly as turns. It
+        returns the episode's reward (`rewards["agent"]`) or None (the env's `@reward`s alone).
+        `slime_async.agents.AgentEnv` drives it with an agent program over the OpenAI API."""
+        raise NotImplementedError
+
     # ---- helpers for subclasses --------------------------------------------------------------
 
     def finish(self) -> None:

@@ -87,7 +87,10 @@ async def run_episode(
         raise RuntimeError(f"{type(env).__name__} instance reused: make one instance per episode")
     env._used = True  # type: ignore[attr-defined]
     env.verifiers = verifiers
-    episode = _Episode(env, task, policy, tokenizer, limits or env.limits, sampling or Sampling(), parser, stop)
+    kind = _Episode
+    if type(env).drive is not Env.drive:  # an env driven from outside (a black-box agent)
+        from slime_async.env.driven import DrivenEpisode as kind  # it builds on this module
+    episode = kind(env, task, policy, tokenizer, limits or env.limits, sampling or Sampling(), parser, stop)
     try:
         await episode.run()
     finally:

@@ -24,6 +24,10 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int = -1
     max_new_tokens: int = 128
     stop_token_ids: list[int] = []
+    stop: list[str] = []
+    """Stop strings: the output ends with the first one it produces (which stays in the tokens)."""
+    sampling_seed: int | None = None
+    """Seed of this call's sampler (an OpenAI `seed`); None: the server's own randomness."""
 
     @classmethod
     def from_config(cls, sampling: Any) -> Sampling:
@@ -34,8 +38,9 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     def to_sglang(self) -> dict[str, Any]:
         """`sampling_params` of SGLang's `/generate`."""
         out = msgspec.structs.asdict(self)
-        if not out["stop_token_ids"]:
-            del out["stop_token_ids"]
+        for unset in ("stop_token_ids", "stop", "sampling_seed"):  # SGLang's defaults: not sent
+            if not out[unset] and out[unset] != 0:
+                del out[unset]
         return out
 
 

@@ -83,12 +83,24 @@ class Renderer:
         self.ids = self.encode(text)
         return list(self.ids)
 
-    def parse(self, completion_ids: list[int]) -> ParsedReply:
-        """What the model said: the completion's text (stop token dropped), parsed for tool calls."""
+    def text(self, completion_ids: list[int]) -> str:
+        """The completion's text, without the stop token that ended it."""
         ids = list(completion_ids)
         if ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        return self.parser.parse(self.facts.decode(ids))
+        return self.facts.decode(ids)
+
+    def parse(self, completion_ids: list[int]) -> ParsedReply:
+        """What the model said: the completion's text (stop token dropped), parsed for tool calls."""
+        return self.parser.parse(self.text(completion_ids))
+
+    def fork(self) -> Renderer:
+        """A renderer holding the same conversation, to continue it another way (one of several
+        samples of one prompt); the two share nothing that either changes."""
+        other = Renderer.__new__(Renderer)
+        other.__dict__.update(self.__dict__)
+        other.messages, other.ids = list(self.messages), list(self.ids)
+        return other
 
     def add_completion(self, completion_ids: list[int], message: Message) -> None:
         """Record the server's tokens for an assistant turn, exactly, and the message they mean."""

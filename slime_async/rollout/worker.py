@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from slime_async.agents.server import close_shared_server
 from slime_async.config import load_config
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.data import build_envs, build_tasks, close_shared_remote_rewards, load_state, save_state
@@ -86,6 +87,7 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
             write_stats(scheduler, stats_path)
         await sink.close()
         await close_shared_remote_rewards()
+        await close_shared_server()  # the agent endpoint, when an agent env started one
     if data_state:
         save_state(tasks.state(), data_state)  # tasks still in flight at the stop are not replayed
     print(f"DONE sent={stats.sent} dropped={dict(stats.dropped)} balanced={stats.balanced()}", flush=True)

@@ -1,7 +1,9 @@
 """From `list[Trajectory]` to padded tensors, skipping or truncating bad trajectories (counted).
 
 Each trajectory becomes one row: its turns concatenated (`Trajectory.flat()`), right-padded to the
-longest row. Per-token tensors are aligned with the tokens: entry t of `behaviour_logprobs` is the
+longest row; a trajectory of several segments (a template or an agent that rewrote history:
+`Trajectory.segments()`) becomes one row per segment, each with the trajectory's reward and group.
+Per-token tensors are aligned with the tokens: entry t of `behaviour_logprobs` is the
 engine's log p(token t | tokens before t), and `loss_mask[t]` says whether token t trains. Token 0
 never trains (nothing precedes it to predict it from).
 """
@@ -45,6 +47,11 @@ class Batch:
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def num_trajectories(self) -> int:
+        """Trajectories behind the rows (a trajectory of several segments has a row for each)."""
+        return len(set(self.trajectory_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -113,31 +120,37 @@ def build_batch(
         if not np.isfinite(traj.reward):
             skipped["nan_reward"] += 1
             continue
-        ids, logprobs, mask = traj.flat()
-        mask = mask.astype(np.float32)
-        if len(mask):
-            mask[0] = 0.0  # token 0 has no context to be predicted from
-        trained = mask > 0
-        if trained.any() and not (np.isfinite(logprobs[trained]).all() and (logprobs[trained] <= 0).all()):
-            skipped["nan_logprob"] += 1
+        rows, reason, cut = [], None, False
+        for ids, logprobs, mask in traj.segments():
+            mask = mask.astype(np.float32)
+            if len(mask):
+                mask[0] = 0.0  # token 0 has no context to be predicted from
+            trained = mask > 0
+            if trained.any() and not (np.isfinite(logprobs[trained]).all() and (logprobs[trained] <= 0).all()):
+                reason = "nan_logprob"
+                break
+            if vocab_size is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+                reason = "bad_token"
+                break
+            if len(ids) > max_seq_len:
+                if overlong == "skip":
+                    reason = "overlong"
+                    break
+                ids, logprobs, mask = ids[:max_seq_len], logprobs[:max_seq_len], mask[:max_seq_len]
+                cut = True
+            if (mask > 0).any():  # a segment with nothing to train on adds no row
+                rows.append((traj, ids, logprobs, mask))
+        if reason is None and not rows:
+            reason = "no_trainable_tokens"
+        if reason is not None:
+            skipped[reason] += 1
             continue
-        if vocab_size is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-            skipped["bad_token"] += 1
-            continue
-        if len(ids) > max_seq_len:
-            if overlong == "skip":
-                skipped["overlong"] += 1
-                continue
-            ids, logprobs, mask = ids[:max_seq_len], logprobs[:max_seq_len], mask[:max_seq_len]
-            truncated += 1
-        if not (mask > 0).any():
-            skipped["no_trainable_tokens"] += 1
-            continue
-        kept.append((traj, ids, logprobs, mask))
+        truncated += cut
+        kept += rows
     if not kept:
         return BuildResult(None, skipped, truncated)
-    cut = sum(t.stop_reason in _OUT_OF_TOKENS for t, *_ in kept) if mask_truncated else 0
-    masked, unmasked = (0, cut) if cut == len(kept) else (cut, 0)
+    cut = len({t.id for t, *_ in kept if t.stop_reason in _OUT_OF_TOKENS}) if mask_truncated else 0
+    masked, unmasked = (0, cut) if cut == len({t.id for t, *_ in kept}) else (cut, 0)
     if masked:
         kept = [(t, ids, lp, np.zeros_like(m) if t.stop_reason in _OUT_OF_TOKENS else m) for t, ids, lp, m in kept]
     n, length = len(kept), max(len(k[1]) for k in kept)

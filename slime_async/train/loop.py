@@ -291,7 +291,8 @@ class Trainer:
             log.warning("batch of %d trajectories had nothing to train on: %s", len(trajectories),
                         dict(built.skipped))
             return None
-        record = StepRecord(version=self.version, applied=0, trajectories=len(batch), loss=0.0, grad_norm=0.0)
+        record = StepRecord(version=self.version, applied=0, trajectories=batch.num_trajectories, loss=0.0,
+                            grad_norm=0.0)
         if self.release_memory:  # the engines share our GPUs: they give them up while we compute
             assert self.publisher is not None
             await self.publisher.release_memory()
@@ -306,9 +307,9 @@ class Trainer:
         # the last step trained the weights of version (self.version - 1) on tokens as old as `oldest`
         record.max_staleness = max(0, self.version - (1 if record.applied else 0) - oldest)
         if record.applied:
-            self.counters["trajectories_trained"] += len(batch)
+            self.counters["trajectories_trained"] += batch.num_trajectories
         else:  # counted, never silently lost (DESIGN.md, "Reliability rules")
-            self.counters["skipped:step_not_applied"] += len(batch)
+            self.counters["skipped:step_not_applied"] += batch.num_trajectories
         if record.applied and self.publisher is not None and record.publish is None:
             record.publish = await self.publisher.publish(self.backend.named_weights, self.version)
         if record.publish is not None and record.publish.failed:

@@ -17,10 +17,10 @@ def pick(trajectories: list[Trajectory], k: int = 2) -> list[Trajectory]:
 
 def render(traj: Trajectory, tokenizer: Any) -> str:
     """The whole episode as the model saw it (special tokens kept), with its reward and versions."""
-    ids, _, _ = traj.flat()
     versions = [int(v) for turn in traj.turns for v in turn.versions]
     span = f"{min(versions)}..{max(versions)}" if versions else "-"
-    text = tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+    text = "\n[... a new segment: the whole context again ...]\n".join(
+        tokenizer.decode([int(i) for i in ids], skip_special_tokens=False) for ids, _, _ in traj.segments())
     return (f"reward {traj.reward:g} ({', '.join(f'{k} {v:g}' for k, v in traj.rewards.items()) or '-'}), "
             f"stop {traj.stop_reason.value}, token versions {span}, task {traj.task_id}\n\n```\n{text}\n```\n")
 

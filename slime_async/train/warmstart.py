@@ -32,7 +32,7 @@ import msgspec
 import torch
 
 from slime_async.config import ConfigError
-from slime_async.config.schema import Config, WarmstartConfig, WarmstartStage
+from slime_async.config.schema import Config, EnvConfig, WarmstartConfig, WarmstartStage
 from slime_async.env import EnvFactory, ScriptedPolicy, run_episode
 from slime_async.train.backend import Logprobs
 from slime_async.train.batch import Batch, build_batch
@@ -63,14 +63,21 @@ def cache_key(cfg: Config, base_dir: Path) -> str:
             h.update(name.encode())
             h.update(hashlib.sha256(f.read_bytes()).digest())
     # the check does not shape the weights; the seed is keyed as resolved
-    ws = msgspec.structs.replace(cfg.warmstart, min_success=0.0, check_tasks=0, seed=None)
+    # (and the env is keyed as resolved: naming the run's own env in `warmstart.env` is the same warm-start)
+    ws = msgspec.structs.replace(cfg.warmstart, min_success=0.0, check_tasks=0, seed=None, env=None)
+    env = demo_env(cfg)
     # The env's source file: an edited `demonstration` (or task generator) must not find the old cache.
-    source = inspect.getsourcefile(EnvFactory.from_config(cfg.env.name, cfg.env.args).cls)
+    source = inspect.getsourcefile(EnvFactory.from_config(env.name, env.args).cls)
     if source is not None:
         h.update(Path(source).read_bytes())
-    h.update(json.dumps({"env": cfg.env.name, "args": cfg.env.args, "warmstart": msgspec.to_builtins(ws),
+    h.update(json.dumps({"env": env.name, "args": env.args, "warmstart": msgspec.to_builtins(ws),
                          "seed": seed_of(cfg), "dtype": cfg.model.dtype}, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
+
+
+def demo_env(cfg: Config) -> EnvConfig:
+    """The env whose demonstrations the warm-start trains on: `warmstart.env`, else the run's."""
+    return cfg.warmstart.env or cfg.env
 
 
 def warmstart_dir(cfg: Config, base_dir: Path, cache_root: Path) -> Path:
@@ -151,9 +158,10 @@ def train_sft(cfg: Config, base_dir: Path, out_dir: Path, progress: Progress | N
     seed = seed_of(cfg)
     seed_everything(seed)
     plan = []  # (stage, its env factory): every stage's args checked before anything is trained
+    env = demo_env(cfg)
     for i, stage in enumerate(stages_of(ws)):
         try:
-            plan.append((stage, EnvFactory.from_config(cfg.env.name, {**cfg.env.args, **stage.env_args})))
+            plan.append((stage, EnvFactory.from_config(env.name, {**env.args, **stage.env_args})))
         except ValueError as exc:
             if not stage.env_args:
                 raise  # env.args itself: its error names it

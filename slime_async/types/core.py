@@ -208,21 +208,36 @@ class Trajectory(msgspec.Struct, kw_only=True):
         """The whole sequence as (token ids, behaviour logprobs, loss mask), one entry per token.
 
         Prompt tokens have logprob 0 and mask 0; completion tokens keep theirs. A trajectory
-        whose later turns start a new branch is not one sequence: that is an error here.
+        whose later turns start a new branch is not one sequence: that is an error here (see
+        `segments`).
         """
-        if any(t.new_branch for t in self.turns[1:]):
+        segments = self.segments()
+        if len(segments) > 1:
             raise ValueError(
                 f"trajectory {self.id} has turns that start a new branch (the chat template is not "
-                "append-only): it is several sequences, split it at turns with new_branch=True"
+                "append-only, or an agent rewrote its history): it is several sequences, see segments()"
             )
-        ids, logprobs, mask = [], [], []
-        for t in self.turns:
+        if not segments:
+            return np.zeros(0, TOKEN_DTYPE), np.zeros(0, LOGPROB_DTYPE), np.zeros(0, MASK_DTYPE)
+        return segments[0]
+
+    def segments(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The sequences the trajectory is made of, each as `flat` gives one: a new one starts at
+        every turn with `new_branch` (its prompt is the whole context again)."""
+        out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        ids: list[np.ndarray] = []
+        logprobs: list[np.ndarray] = []
+        mask: list[np.ndarray] = []
+        for i, t in enumerate(self.turns):
+            if t.new_branch and i > 0:
+                out.append((np.concatenate(ids), np.concatenate(logprobs), np.concatenate(mask)))
+                ids, logprobs, mask = [], [], []
             ids += [t.prompt_ids, t.completion_ids]
             logprobs += [np.zeros(len(t.prompt_ids), LOGPROB_DTYPE), t.logprobs]
             mask += [np.zeros(len(t.prompt_ids), MASK_DTYPE), t.loss_mask]
-        if not ids:
-            return np.zeros(0, TOKEN_DTYPE), np.zeros(0, LOGPROB_DTYPE), np.zeros(0, MASK_DTYPE)
-        return np.concatenate(ids), np.concatenate(logprobs), np.concatenate(mask)
+        if ids:
+            out.append((np.concatenate(ids), np.concatenate(logprobs), np.concatenate(mask)))
+        return out
 
 
 class Group(msgspec.Struct, kw_only=True):

@@ -1,0 +1,87 @@
+"""`AgentEnv`: an environment whose episodes are an agent program written against the OpenAI API.
+
+The agent is an ordinary function, named in the config (`env.args.agent: module:function`):
+
+    async def run(task: Task, base_url: str, api_key: str) -> float | None
+
+It gets the task, and a base URL and key of its own episode's session on this process's
+OpenAI-compatible endpoint (`slime_async.agents.server`); it makes its model calls there with any
+client (the `openai` SDK, the OpenAI Agents SDK, LangGraph, smolagents, raw HTTP), runs its own
+tools, and returns its reward, or None to leave the reward to the env's `@reward`s (a subclass
+may declare them; they see the final reply as `completion` and the conversation as `messages`).
+A plain `def` runs in a thread. Each episode's calls are recorded token-exactly
+(`slime_async.env.driven`) and train like any env's: GRPO groups, staleness admission, partial
+rollouts across weight updates, limits with their stop reasons.
+
+Tasks: from a dataset (`data.source: jsonl`, rows `{"prompt": ..., "label": ...}`), or a subclass
+overrides `tasks` (and `demonstration` for a warm-start), as `envs/calculator_agent.py` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from slime_async.agents.server import shared_server
+from slime_async.env import Env, EnvArgs
+from slime_async.env.driven import DrivenEpisode
+
+Agent = Callable[[Any, str, str], Any]
+
+
+class AgentArgs(EnvArgs):
+    agent: str = ""
+    """The agent, as `module:function`: `async def run(task, base_url, api_key) -> float | None`
+    (a plain `def` runs in a thread). Required."""
+    render_tools: bool = True
+    """Put the tools that the agent sends into the prompt (the chat template's tool list), as the
+    OpenAI API does. False for a model that learned its tools from demonstrations without their
+    schemas (the tiny calculator model): the calls are still parsed and returned."""
+
+    def __post_init__(self) -> None:
+        if not self.agent:
+            raise ValueError("agent: required: the agent function as 'module:function'")
+        load_agent(self.agent)  # a wrong name is an error of the config, before any process starts
+
+
+class AgentEnv(Env):
+    """Runs `args.agent` once per episode against its own session; see the module's docstring."""
+
+    Args = AgentArgs
+    args: AgentArgs
+
+    async def drive(self, session: DrivenEpisode) -> float | None:
+        agent = load_agent(self.args.agent)
+        server = await shared_server()
+        sid, base_url, api_key = server.open(session, render_tools=self.args.render_tools)
+        try:
+            if inspect.iscoroutinefunction(agent):
+                return await agent(self.task, base_url, api_key)
+            return await asyncio.to_thread(agent, self.task, base_url, api_key)
+        finally:
+            server.release(sid)
+
+
+@functools.cache
+def load_agent(name: str) -> Agent:
+    """Import `module:function`; the error names the setting and what is wrong."""
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"agent: {name!r} is not 'module:function' (e.g. 'envs.calculator_agent:run')")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"agent: cannot import module {module_name!r}: {exc} (is its directory on the "
+                         "import path? PYTHONPATH, or the run's working directory)") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"agent: module {module_name!r} has no function {attr!r}")
+    try:
+        inspect.signature(fn).bind(None, "", "")
+    except TypeError:
+        raise ValueError(f"agent: {name} must take (task, base_url, api_key)") from None
+    return fn

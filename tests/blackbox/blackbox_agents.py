@@ -1,0 +1,154 @@
+"""Agent programs the tests train through the endpoint, named in env args as `blackbox_agents:NAME`.
+
+They are what users write: plain HTTP, the `openai` SDK (async and sync), the OpenAI Agents SDK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from openai import AsyncOpenAI, OpenAI
+
+from envs.calculator_agent import TOOLS, calculate
+from slime_async.types import Task
+
+
+async def probe(task: Task, base_url: str, api_key: str) -> None:
+    """Sends `task.metadata["requests"]` as they are (JSON values, or raw strings as bodies) and
+    records each answer's status and JSON in `task.metadata["answers"]`."""
+    answers = task.metadata["answers"]
+    headers = {"Authorization": f"Bearer {task.metadata.get('key', api_key)}"}
+    url = task.metadata.get("url", base_url) + "/chat/completions"
+    async with aiohttp.ClientSession() as http:
+        for body in task.metadata["requests"]:
+            kwargs: dict[str, Any] = {"data": body} if isinstance(body, str) else {"json": body}
+            async with http.post(url, headers=headers, **kwargs) as resp:
+                answers.append((resp.status, await resp.json(content_type=None)))
+
+
+async def openai_calculator(task: Task, base_url: str, api_key: str) -> float:
+    """The calculator loop with a fresh `AsyncOpenAI` client; the conversation kept in metadata."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task.prompt}]
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        for _ in range(3):
+            reply = (await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                          temperature=0.0)).choices[0].message
+            messages.append(reply.model_dump(exclude_none=True))
+            if not reply.tool_calls:
+                break
+            for call in reply.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)})
+    task.metadata["messages"] = messages
+    return 1.0
+
+
+async def streaming_calculator(task: Task, base_url: str, api_key: str) -> float:
+    """The first call twice, streamed and not: the test compares what the SDK assembled."""
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        messages = [{"role": "user", "content": task.prompt}]
+        plain = (await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                      temperature=0.0)).choices[0]
+        stream = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                      temperature=0.0, stream=True,
+                                                      stream_options={"include_usage": True})
+        content, calls, finish, usage = "", {}, None, None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for c in choice.delta.tool_calls or []:
+                    entry = calls.setdefault(c.index, {"id": c.id, "name": "", "arguments": ""})
+                    entry["name"] += c.function.name or ""
+                    entry["arguments"] += c.function.arguments or ""
+                finish = choice.finish_reason or finish
+    task.metadata["plain"] = {"content": plain.message.content or "", "finish": plain.finish_reason,
+                              "calls": [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                                        for c in plain.message.tool_calls or []]}
+    task.metadata["streamed"] = {"content": content, "finish": finish, "calls": list(calls.values()),
+                                 "usage": usage.model_dump() if usage else None}
+    return 1.0
+
+
+def sync_calculator(task: Task, base_url: str, api_key: str) -> float:
+    """A plain `def` with the synchronous client: it runs in a thread."""
+    with OpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.prompt}],
+                                               tools=TOOLS, temperature=0.0).choices[0].message
+    return 0.5 if reply.tool_calls else 0.25
+
+
+async def rewriting(task: Task, base_url: str, api_key: str) -> None:
+    """The second call with its history edited (the first reply replaced): a new segment, which the
+    third call continues."""
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        first = [{"role": "user", "content": task.prompt}]
+        await client.chat.completions.create(model="policy", messages=first, max_tokens=4)
+        edited = [*first, {"role": "assistant", "content": "something else"}, {"role": "user", "content": "again"}]
+        reply = (await client.chat.completions.create(model="policy", messages=edited, max_tokens=4)).choices[0]
+        kept = [*edited, reply.message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        await client.chat.completions.create(model="policy", messages=kept, max_tokens=4)
+
+
+async def two_samples(task: Task, base_url: str, api_key: str) -> None:
+    """One call with n=2, then a continuation of the first sample."""
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        first = [{"role": "user", "content": task.prompt}]
+        out = await client.chat.completions.create(model="policy", messages=first, max_tokens=4, n=2)
+        task.metadata["choices"] = len(out.choices)
+        kept = [*first, out.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+        await client.chat.completions.create(model="policy", messages=kept, max_tokens=4)
+
+
+async def chatty(task: Task, base_url: str, api_key: str) -> None:
+    """Keeps calling until the episode refuses; records the refusal."""
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": task.prompt}]
+        for _ in range(100):
+            try:
+                reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0]
+            except Exception as exc:
+                task.metadata["refusal"] = str(exc)
+                raise
+            messages += [reply.message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+
+
+async def crashing(task: Task, base_url: str, api_key: str) -> float:
+    task.metadata["base_url"], task.metadata["key"] = base_url, api_key
+    raise RuntimeError("the agent fell over")
+
+
+async def hanging(task: Task, base_url: str, api_key: str) -> float:
+    task.metadata["base_url"], task.metadata["key"] = base_url, api_key
+    await asyncio.Event().wait()
+    return 1.0
+
+
+async def returns_text(task: Task, base_url: str, api_key: str) -> Any:
+    return "great"
+
+
+async def agents_sdk_calculator(task: Task, base_url: str, api_key: str) -> float:
+    """The calculator as an OpenAI Agents SDK agent: a function tool, `Runner.run`, the chat
+    completions model pointed at the episode's endpoint."""
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # nothing leaves the machine
+
+    @function_tool
+    def calculate_tool(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        return calculate(json.dumps({"expression": expression}))
+
+    calculate_tool.name = "calculate"
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    agent = Agent(name="calculator", tools=[calculate_tool],
+                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+    try:
+        result = await Runner.run(agent, task.prompt, max_turns=3)
+    finally:
+        await client.close()
+    task.metadata["final_output"] = str(result.final_output)
+    return 1.0

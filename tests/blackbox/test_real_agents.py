@@ -1,0 +1,120 @@
+"""Real agent code against a real embedded engine, through the endpoint: the `openai` SDK (async,
+streaming) and the OpenAI Agents SDK. What they record must be what the engine generated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import post
+from transformers import AutoTokenizer
+
+from slime_async.agents import close_shared_server
+from slime_async.env import EnvFactory, Sampling
+from slime_async.launch.process import EngineProcess
+from slime_async.rollout.client import SGLangClient
+from slime_async.rollout.scheduler import HttpPolicy, Scheduler
+from slime_async.types import Group, StopReason, Task, Trajectory
+
+pytestmark = pytest.mark.slow
+GREEDY = Sampling(temperature=0.0, max_new_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tool_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tool_model_dir)
+
+
+async def episode(engine: EngineProcess, tokenizer: Any, task: Task, agent: str, **args: Any) -> Trajectory:
+    factory = EnvFactory.from_config("envs.calculator_agent:CalculatorAgentEnv", {"agent": agent, **args})
+    try:
+        async with SGLangClient([engine.url]) as client:
+            return await factory.episode(task, HttpPolicy(client, "e"), tokenizer, sampling=GREEDY)
+    finally:
+        await close_shared_server()
+
+
+async def assert_engine_generated(engine: EngineProcess, traj: Trajectory) -> None:
+    """Every turn's tokens and logprobs are what the engine gives for that context (greedy), and the
+    loss mask covers exactly the generated tokens."""
+    context: list[int] = []
+    for turn in traj.turns:
+        assert not turn.new_branch
+        context += turn.prompt_ids.tolist()
+        n = len(turn.completion_ids)
+        status, answer = await post(engine.url, "/generate", {
+            "input_ids": context, "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": n}})  # fmt: skip
+        assert status == 200
+        assert answer["output_ids"] == turn.completion_ids.tolist()
+        expected = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+        np.testing.assert_allclose(turn.logprobs, expected, atol=1e-4)
+        assert turn.versions.tolist() == [0] * n and turn.loss_mask.tolist() == [1] * n
+        context += turn.completion_ids.tolist()
+    ids, _, mask = traj.flat()
+    assert ids.tolist() == context and int(mask.sum()) == traj.num_completion_tokens
+
+
+async def test_the_openai_sdk_agent_trains_on_exactly_what_the_engine_generated(
+        tool_engine: EngineProcess, tokenizer: Any, calc_tasks: list[Task]) -> None:  # fmt: skip
+    for task in calc_tasks[:3]:
+        traj = await episode(tool_engine, tokenizer, task, "envs.calculator_agent:run")
+        assert traj.stop_reason is StopReason.DONE, traj.error
+        assert traj.metrics["tool_calls"] >= 1 and len(traj.turns) >= 2
+        await assert_engine_generated(tool_engine, traj)
+        # the agent's own tool ran, and its result reached the model as a tool message
+        result = tokenizer.decode(traj.turns[1].prompt_ids.tolist())
+        assert "<tool_response>" in result and "</tool_response>" in result
+    assert traj.rewards == {"agent": traj.reward}
+
+
+async def test_the_openai_agents_sdk_agent_runs_unchanged(tool_engine: EngineProcess, tokenizer: Any,
+                                                         calc_tasks: list[Task]) -> None:
+    task = Task(id=calc_tasks[0].id, prompt=calc_tasks[0].prompt, answer=calc_tasks[0].answer, metadata={})
+    traj = await episode(tool_engine, tokenizer, task, "blackbox_agents:agents_sdk_calculator")
+    assert traj.stop_reason is StopReason.DONE, traj.error
+    assert traj.metrics["tool_calls"] >= 1 and traj.metrics["new_branches"] == 0
+    await assert_engine_generated(tool_engine, traj)
+    reply = tokenizer.decode(traj.turns[-1].completion_ids.tolist(), skip_special_tokens=True)
+    assert task.metadata["final_output"] == reply  # what the SDK's runner returned is the model's last reply
+    assert str(task.answer) in tokenizer.decode(traj.turns[1].prompt_ids.tolist())  # its tool's result
+
+
+async def test_streamed_replies_assemble_to_the_plain_ones(tool_engine: EngineProcess, tokenizer: Any,
+                                                          calc_tasks: list[Task]) -> None:
+    task = Task(id="s", prompt=calc_tasks[0].prompt, metadata={})
+    traj = await episode(tool_engine, tokenizer, task, "blackbox_agents:streaming_calculator")
+    plain, streamed = task.metadata["plain"], task.metadata["streamed"]
+    assert plain["finish"] == "tool_calls" and plain["calls"][0]["name"] == "calculate"
+    assert all(c.pop("id").startswith("call_") for c in plain["calls"] + streamed["calls"])  # one per call
+    assert {k: streamed[k] for k in ("content", "finish", "calls")} == plain
+    assert streamed["usage"]["completion_tokens"] == len(traj.turns[1].completion_ids)
+
+
+async def test_groups_of_agent_episodes_go_through_the_scheduler(tool_engine: EngineProcess, tokenizer: Any) -> None:
+    class ListSink:
+        def __init__(self) -> None:
+            self.groups: list[Group] = []
+
+        async def put(self, group: list[Trajectory]) -> None:
+            self.groups.append(Group(group_id=group[0].group_id, task_id=group[0].task_id, trajectories=group))
+
+        async def close(self) -> None:
+            pass
+
+    factory = EnvFactory.from_config("envs.calculator_agent:CalculatorAgentEnv")
+    sink = ListSink()
+    try:
+        async with SGLangClient([tool_engine.url]) as client:
+            scheduler = Scheduler(factory, factory.tasks("train"), client, tokenizer, sink, group_size=4, batch_size=8,
+                                  filter_equal_rewards=False, sampling=Sampling(temperature=1.0, max_new_tokens=48))
+            stats = await scheduler.run(num_groups=3)
+    finally:
+        await close_shared_server()
+    assert stats.balanced() and stats.sent + sum(stats.dropped.values()) == 12
+    for group in sink.groups:
+        assert len({t.group_id for t in group.trajectories}) == 1 and len(group.trajectories) == 4
+        for t in group.trajectories:
+            assert t.num_completion_tokens > 0 and t.min_version() == 0
