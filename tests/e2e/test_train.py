@@ -31,8 +31,8 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def train_command(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "slime_async.cli", "train", str(REPO / "configs/local.yaml"), "--overwrite",
+def train_command(run_dir: Path, *overrides: str, config: str = "configs/local.yaml") -> list[str]:
+    return [sys.executable, "-m", "slime_async.cli", "train", str(REPO / config), "--overwrite",
             f"run.dir={run_dir}", "rollout.batch_size=8", "rollout.group_size=4", "rollout.filter_equal_rewards=false",
             "rollout.sampling.max_new_tokens=16", "engine.port=0",
             # a few steps of warm-start (cached for the session) and a small success check: the
@@ -40,6 +40,23 @@ def train_command(run_dir: Path, *overrides: str) -> list[str]:
             "warmstart.stages=[]", "warmstart.examples=64", "warmstart.check_tasks=8", "warmstart.min_success=0",
             "data.eval_every=0",
             *overrides]
+
+
+def test_a_black_box_agent_trains_through_every_part(tmp_path: Path) -> None:
+    """configs/calculator_agent.yaml: the agent is an `openai` SDK program; its warm-start's
+    demonstrations, the success checks, rollout and evaluation all go through the endpoint."""
+    done = subprocess.run(train_command(tmp_path, "train.steps=3", "warmstart.env=null", "data.eval_every=2",
+                                        "log.sample_every=2",
+                                        config="configs/calculator_agent.yaml"),
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = tmp_path / "calculator_agent"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["success_before"] is not None and summary["success_after"] is not None
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == [1, 2, 3] and all(m["trajectories"] == 8 for m in metrics)
+    assert "## version 2" in (run / "samples.md").read_text()
+    assert (run / "eval.jsonl").read_text().strip()  # the eval worker ran agent episodes too
 
 
 def test_train_runs_every_part_and_accounts_for_every_trajectory(tmp_path: Path) -> None:
