@@ -38,7 +38,6 @@ from slime_async.env.renderer import Renderer
 from slime_async.types import Message, StopReason, Turn
 from slime_async.types.arrays import TOKEN_DTYPE
 
-
 GRACE_S = 2.0
 """How long an agent whose episode a limit ended may take to stop by itself before it is cancelled."""
 

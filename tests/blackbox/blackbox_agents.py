@@ -39,8 +39,8 @@ async def openai_calculator(task: Task, base_url: str, api_key: str) -> float:
             messages.append(reply.model_dump(exclude_none=True))
             if not reply.tool_calls:
                 break
-            for call in reply.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)})
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": calculate(c.function.arguments)}
+                         for c in reply.tool_calls]
     task.metadata["messages"] = messages
     return 1.0
 

@@ -53,8 +53,8 @@ async def test_each_call_is_recorded_token_exactly_and_only_replies_train(tokeni
     for turn, reply in zip(traj.turns, replies, strict=True):  # exactly the (scripted) server's ids
         expected = [*tokenizer.encode(reply, add_special_tokens=False), tokenizer.eos_token_id]
         assert turn.completion_ids.tolist() == expected
-    ids, _, mask = traj.flat()
-    completions = {i for t in traj.turns for i in range(0)}  # positions of completion tokens, below
+    _, _, mask = traj.flat()
+    completions: set[int] = set()  # positions of the completion tokens
     pos = 0
     for t in traj.turns:
         pos += len(t.prompt_ids)
@@ -84,7 +84,7 @@ async def test_an_agent_that_rewrites_history_starts_a_new_segment(tokenizer: An
     traj = await play(tokenizer, "rewriting", ["a", "b", "c"])
     assert traj.stop_reason is StopReason.DONE and traj.metrics["new_branches"] == 1
     assert [t.new_branch for t in traj.turns] == [False, True, False]
-    first, second = traj.segments()
+    _, second = traj.segments()
     assert tokenizer.decode(second[0].tolist()).count("something else") == 1  # the whole edited context
     assert tokenizer.decode(second[0].tolist()).endswith("more<|im_end|>\n<|im_start|>assistant\nc<|im_end|>")
 

@@ -3,9 +3,11 @@ streaming) and the OpenAI Agents SDK. What they record must be what the engine g
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 from helpers import post
@@ -118,3 +120,36 @@ async def test_groups_of_agent_episodes_go_through_the_scheduler(tool_engine: En
         assert len({t.group_id for t in group.trajectories}) == 1 and len(group.trajectories) == 4
         for t in group.trajectories:
             assert t.num_completion_tokens > 0 and t.min_version() == 0
+
+
+async def wait_for_waiting(url: str, timeout_s: float = 30) -> None:
+    """Wait (bounded) until the paused engine holds a request."""
+    for _ in range(int(timeout_s / 0.02)):
+        if (await server_info(url))["internal_states"][0]["num_waiting_reqs"] >= 1:
+            return
+        await asyncio.sleep(0.02)
+    pytest.fail("the agent's call never reached the engine")
+
+
+async def server_info(url: str) -> Any:
+    async with aiohttp.ClientSession() as http, http.get(url + "/get_server_info") as resp:
+        return await resp.json()
+
+
+async def test_a_call_during_a_weight_update_waits_for_it(tool_engine: EngineProcess, tokenizer: Any,
+                                                         calc_tasks: list[Task]) -> None:
+    url = tool_engine.url
+    assert (await post(url, "/pause_generation", {"mode": "abort"}))[0] == 200
+    try:
+        running = asyncio.ensure_future(episode(tool_engine, tokenizer, calc_tasks[0], "envs.calculator_agent:run"))
+        await wait_for_waiting(url)
+        assert not running.done()  # it waits for the update, it does not fail
+        assert (await post(url, "/update_weight_version", {"new_version": "1"}))[0] == 200
+    finally:
+        assert (await post(url, "/continue_generation", {}))[0] == 200
+    try:
+        traj = await asyncio.wait_for(running, 60)
+    finally:
+        await post(url, "/update_weight_version", {"new_version": "0"})
+    assert traj.stop_reason is StopReason.DONE, traj.error
+    assert {int(v) for t in traj.turns for v in t.versions} == {1}  # every token from the new weights
