@@ -11,7 +11,9 @@ The trainer loop:
     while ...:
         batch = client.get_batch(B, timeout=60)  # whole groups, >= B trajectories
         ... train on batch.groups ...
-        client.set_version(v + 1)                # reports every batch received so far as trained
+        client.set_version(v + 1)                # reports every batch received so far as trained (applied)
+        ... every train.checkpoint_every steps, a checkpoint at v + 1 ...
+        client.set_version(v + 1, committed=v + 1)  # what it holds is trained for good
 """
 
 from __future__ import annotations
@@ -78,18 +80,21 @@ class BufferClient:
         return batch
 
     def set_version(
-        self, version: int, trained: list[int] | None = None, restarted: bool = False, timeout: float = 30.0
+        self, version: int, trained: list[int] | None = None, restarted: bool = False, timeout: float = 30.0,
+        committed: int | None = None,
     ) -> None:
         """Tell the buffer the trainer's version, and which batches it has trained.
 
         `trained=None` reports every batch this client received and has not reported yet.
-        `restarted=True` (once, at start-up after loading a checkpoint) puts batches that were
-        handed out but never reported back into the buffer."""
+        `restarted=True` (once, at start-up after loading the checkpoint at `version`) puts every
+        batch handed out and not trained by then back into the buffer. `committed`: a checkpoint
+        holds the steps up to this version (the batches they trained are then trained for good)."""
         report = list(self._unreported) if trained is None else list(trained)
         request_id = _new_request_id()
         returned = list(self._returned)
         body = p.encode(p.SetVersion(
-            request_id=request_id, version=version, trained=report, restarted=restarted, returned=returned
+            request_id=request_id, version=version, trained=report, restarted=restarted, returned=returned,
+            committed=committed,
         ))
         self._request([p.VERSION, body], request_id, timeout)
         self._unreported = [b for b in self._unreported if b not in set(report)]

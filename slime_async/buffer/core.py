@@ -6,11 +6,16 @@ drive it directly. Each trajectory that arrives is, at every moment, in exactly 
     pending    its group is still incomplete
     ready      its group is complete (or was released by the group timeout) and not yet handed out
     delivered  handed to the trainer in a batch that the trainer has not yet reported trained
-    trained    the trainer reported its batch trained (it leaves memory, and the WAL at compaction)
-    dropped    with a reason: `stale` (over the staleness bound) or `late` (its group had already
-               been released)
+    applied    the trainer reported its batch trained (its step applied), but no checkpoint holds
+               that step yet: a trainer that restarts from an older checkpoint gets it back
+    trained    a checkpoint holds the step that trained it (the trainer reported it `committed`):
+               it leaves memory, and the WAL at compaction
+    dropped    with a reason: `stale` (over the staleness bound), `late` (its group had already
+               been released) or `ahead` (tokens of a weight version that no trainer has reached)
 
-so that `received == trained + pending + ready + delivered + sum(dropped)` always (`check_accounting`).
+so that `received == trained + pending + ready + delivered + applied + sum(dropped)` always
+(`check_accounting`). A restarted trainer trains every trajectory of the steps it lost again, in
+the same batches where the sampling policy allows: the run's data is trained exactly once.
 A trajectory id seen before is a duplicate: acked again, counted, never stored twice.
 
 Staleness (DESIGN.md): trainer version minus the oldest token version of the trajectory. A group
@@ -33,7 +38,7 @@ from pathlib import Path
 import msgspec
 
 from slime_async.buffer import snapshot
-from slime_async.buffer.policies import POLICIES, SamplingPolicy, group_min_version
+from slime_async.buffer.policies import POLICIES, SamplingPolicy, group_max_version, group_min_version
 from slime_async.buffer.snapshot import Frame
 from slime_async.buffer.wal import RecordType, WriteAheadLog
 from slime_async.types import Group, Trajectory, from_msgpack, to_msgpack
@@ -45,6 +50,7 @@ _SETTLED_KEPT = 4096
 
 STALE = "stale"
 LATE = "late"
+AHEAD = "ahead"
 
 
 class AccountingError(AssertionError):
@@ -64,6 +70,8 @@ class Batch:
     batch_id: int
     version: int
     groups: list[Group]
+    applied_at: int | None = None
+    """The trainer's version after the step that trained it (None: not reported trained yet)."""
 
     @property
     def num_trajectories(self) -> int:
@@ -86,6 +94,11 @@ class _Release(msgspec.Struct, array_like=True):
     group_id: str
 
 
+class _Evict(msgspec.Struct, array_like=True):
+    group_ids: list[str]
+    reason: str
+
+
 class _Deliver(msgspec.Struct, array_like=True):
     batch_id: int
     version: int
@@ -97,6 +110,7 @@ class _Version(msgspec.Struct, array_like=True):
     trained: list[int]
     restarted: bool
     returned: list[int] = []
+    committed: int | None = None
 
 
 class Buffer:
@@ -138,6 +152,10 @@ class Buffer:
         new batch under the old id, which nobody would ever train (trajectories lost in `delivered`)."""
         self._min_version: dict[str, int | None] = {}
         """Oldest token version of each ready or delivered group, computed once at release (hot path)."""
+        self._max_version: dict[str, int | None] = {}
+        """Newest token version of each ready or delivered group (see `_is_ahead`)."""
+        self.high_water = 0
+        """The highest version the trainer has reported, across its restarts."""
         self._frames: dict[str, Frame] = {}
         """The wire frame of each trajectory held (pending, ready, delivered), kept as it arrived: the
         trainer's batches and the compaction snapshot send and write it without re-encoding."""
@@ -148,6 +166,8 @@ class Buffer:
         self._trained_since_compaction = 0
         self._ready_floor: int | None = None
         """Oldest token version among ready groups (None: unknown, scan); lowered as groups arrive."""
+        self._ahead_possible = False
+        """A group newer than the trainer may be ready (set as groups arrive, cleared by a scan)."""
         self._replaying = False
 
     # -- construction from disk ------------------------------------------------------------------
@@ -176,12 +196,16 @@ class Buffer:
             self.add(from_msgpack(payload, Trajectory), payload)
         elif rtype == RecordType.RELEASE:
             self._release(msgspec.msgpack.decode(payload, type=_Release).group_id, partial=True)
+        elif rtype == RecordType.EVICT:
+            e = msgspec.msgpack.decode(payload, type=_Evict)
+            self._evict(e.group_ids, e.reason)
         elif rtype == RecordType.DELIVER:
             d = msgspec.msgpack.decode(payload, type=_Deliver)
             self._deliver(d.batch_id, d.version, d.group_ids)
         elif rtype == RecordType.VERSION:
             v = msgspec.msgpack.decode(payload, type=_Version)
-            self.set_version(v.version, trained=v.trained, restarted=v.restarted, returned=v.returned)
+            self.set_version(v.version, trained=v.trained, restarted=v.restarted, returned=v.returned,
+                             committed=v.committed)
         elif rtype == RecordType.SNAPSHOT_FRAMES:
             self._load_snapshot(snapshot.decode(payload))
         elif rtype == RecordType.SNAPSHOT:
@@ -249,12 +273,15 @@ class Buffer:
             self.counters.partial_groups += 1
         group = Group(group_id=gid, task_id=trajs[0].task_id, trajectories=trajs)
         self._min_version[gid] = group_min_version(group)
+        self._max_version[gid] = group_max_version(group)
         if self._is_stale(group):
             self._drop(trajs, STALE)
-            del self._min_version[gid]
+            del self._min_version[gid], self._max_version[gid]
         else:
             self._ready[gid] = group
             self._n["ready"] += len(trajs)
+            newest = self._max_version[gid]
+            self._ahead_possible |= newest is not None and newest > self.high_water
             v = self._min_version[gid]
             if self._ready_floor is not None and v is not None:
                 self._ready_floor = min(self._ready_floor, v)
@@ -264,17 +291,39 @@ class Buffer:
         oldest = self._min_version[group.group_id]
         return oldest is not None and self.version - oldest > self.max_staleness
 
-    def _evict_stale(self) -> None:
+    def _evict_stale(self, log_ahead: bool = False) -> None:
+        """Drop ready groups over the staleness bound; with `log_ahead` (a batch is being asked for,
+        the trainer's version is known) also those ahead of every version reached, logged as such
+        (staleness depends only on the version, which the WAL has; being ahead is of that moment)."""
         floor = self.version - self.max_staleness  # stale: oldest version below this
-        if self._ready_floor is not None and self._ready_floor >= floor:
+        ahead_check = log_ahead and self._ahead_possible
+        if self._ready_floor is not None and self._ready_floor >= floor and not ahead_check:
             return  # nothing ready is that old: skip the scan (get_batch calls this on every request)
-        for gid in [gid for gid, g in self._ready.items() if self._is_stale(g)]:
-            group = self._ready.pop(gid)
-            del self._min_version[gid]
-            self._n["ready"] -= len(group.trajectories)
-            self._drop(group.trajectories, STALE)
+        self._evict([gid for gid, g in self._ready.items() if self._is_stale(g)], STALE)
+        if ahead_check:
+            ahead = [gid for gid in self._ready if self._is_ahead(gid)]
+            if ahead:
+                self._log(RecordType.EVICT, msgspec.msgpack.encode(_Evict(ahead, AHEAD)))
+                self._evict(ahead, AHEAD)
+            self._ahead_possible = False
         versions = [v for gid in self._ready if (v := self._min_version[gid]) is not None]
         self._ready_floor = min(versions, default=sys.maxsize)
+
+    def _evict(self, group_ids: list[str], reason: str) -> None:
+        for gid in group_ids:
+            group = self._ready.pop(gid)
+            del self._min_version[gid], self._max_version[gid]
+            self._n["ready"] -= len(group.trajectories)
+            self._drop(group.trajectories, reason)
+
+    def _is_ahead(self, gid: str) -> bool:
+        """Tokens of a version that no trainer has reached (junk: it would never go stale). Checked
+        when batches are handed out, once the trainer has told its version: the engines hear of a
+        new version before the buffer does, so an arriving group may be a step ahead, legitimately.
+        Versions a restarted trainer rolled back were reached: their tokens are ordinary off-policy
+        data (true behaviour logprobs), staleness-checked like any."""
+        newest = self._max_version[gid]
+        return newest is not None and newest > self.high_water
 
     def _drop(self, trajs: list[Trajectory], reason: str) -> None:
         self.counters.dropped[reason] += len(trajs)
@@ -296,7 +345,7 @@ class Buffer:
             return self._delivered[batch_id]
         if batch_id in self._settled:
             return None  # a late resend of a request already answered and settled: nothing more for it
-        self._evict_stale()
+        self._evict_stale(log_ahead=True)
         if self.ready_trajectories() < num_trajectories:
             return None
         chosen: list[str] = []
@@ -340,35 +389,55 @@ class Buffer:
         trained: list[int] | tuple[int, ...] = (),
         restarted: bool = False,
         returned: list[int] | tuple[int, ...] = (),
+        committed: int | None = None,
     ) -> None:
-        """The trainer is now at `version` and has trained the batches `trained`.
+        """The trainer is now at `version` and has trained the batches `trained` (their steps applied).
 
-        Batches in `returned` (handed out, never trained) go back to the front of the ready queue;
-        with `restarted` (the trainer came back from a checkpoint) so does every delivered batch not
-        in `trained`. Either way they are checked for staleness again.
+        `committed`: a checkpoint holds every step up to this version, so the batches applied up to
+        it are trained for good. Batches in `returned` (handed out, never trained) go back to the
+        front of the ready queue. With `restarted` the trainer came back from the checkpoint at
+        `version`: what it applied up to `version` is committed, and every other batch it was handed
+        (applied after that checkpoint, or never reported) goes back to the front, in the order it
+        was trained. Either way they are checked for staleness again.
         """
-        record = _Version(version, list(trained), restarted, list(returned))
+        record = _Version(version, list(trained), restarted, list(returned), committed)
         self._log(RecordType.VERSION, msgspec.msgpack.encode(record))
         self._settle([*trained, *returned])
+        applied_at = self.version if restarted else version  # a restart reports no new step
         for batch_id in trained:
-            batch = self._delivered.pop(batch_id, None)
-            if batch is not None:
+            batch = self._delivered.get(batch_id)
+            if batch is not None and batch.applied_at is None:
+                batch.applied_at = applied_at
                 self._n["delivered"] -= batch.num_trajectories
+                self._n["applied"] += batch.num_trajectories
+        if restarted:
+            committed = version if committed is None else min(committed, version)
+        if committed is not None:
+            done = [b for b in self._delivered.values() if b.applied_at is not None and b.applied_at <= committed]
+            for batch in done:
+                del self._delivered[batch.batch_id]
+                self._n["applied"] -= batch.num_trajectories
                 for g in batch.groups:
                     self._min_version.pop(g.group_id, None)
+                    self._max_version.pop(g.group_id, None)
                     self._forget_frames(g.trajectories)
                 self.counters.trained += batch.num_trajectories
                 self._trained_since_compaction += batch.num_trajectories
-        going_back = list(self._delivered) if restarted else [b for b in returned if b in self._delivered]
+        if restarted:  # applied after the checkpoint, then never reported: trained again, in that order
+            going_back = sorted(self._delivered.values(), key=lambda b: (b.applied_at is None, b.applied_at or 0))
+        else:
+            going_back = [self._delivered[b] for b in returned if b in self._delivered]
         if going_back:
-            back = [g for b in going_back for g in self._delivered.pop(b).groups]
+            back = [g for b in going_back for g in self._delivered.pop(b.batch_id).groups]
             rest = list(self._ready.items())
             self._ready = OrderedDict([(g.group_id, g) for g in back] + rest)
-            moved = sum(len(g.trajectories) for g in back)
-            self._n["delivered"] -= moved
-            self._n["ready"] += moved
+            for b in going_back:
+                self._n["delivered" if b.applied_at is None else "applied"] -= b.num_trajectories
+            self._n["ready"] += sum(b.num_trajectories for b in going_back)
             self._ready_floor = None
+            self._ahead_possible = True
         self.version = version
+        self.high_water = max(self.high_water, version)
         self._evict_stale()
         if self._compaction_due():
             self.compact()
@@ -405,8 +474,9 @@ class Buffer:
             partial_groups=c.partial_groups, dropped=dict(c.dropped), seen=list(self._seen),
             released=list(self._released), pending=[p.trajectories for p in self._pending.values()],
             ready=list(self._ready.values()),
-            delivered=[(b.batch_id, b.version, b.groups) for b in self._delivered.values()], frames=self._frames,
-            settled=list(self._settled),
+            delivered=[(b.batch_id, b.version, b.groups, b.applied_at) for b in self._delivered.values()],
+            frames=self._frames,
+            settled=list(self._settled), high_water=self.high_water,
         )
         before = self.wal.size_bytes
         self.wal.rewrite([(RecordType.SNAPSHOT_FRAMES, snapshot.encode(state))])
@@ -415,6 +485,7 @@ class Buffer:
 
     def _load_snapshot(self, snap: snapshot.SnapshotState) -> None:
         self.version = snap.version
+        self.high_water = max(snap.high_water, snap.version)
         self.counters = Counters(
             snap.received, snap.trained, self.counters.duplicates, snap.partial_groups, Counter(snap.dropped)
         )
@@ -423,18 +494,21 @@ class Buffer:
         now = time.monotonic()  # pending groups restart their timeout: the old clock means nothing here
         self._pending = {ts[0].group_id: _Pending(ts, now) for ts in snap.pending if ts}
         self._ready = OrderedDict((g.group_id, g) for g in snap.ready)
-        self._delivered = {b: Batch(b, v, gs) for b, v, gs in snap.delivered}
+        self._delivered = {d[0]: Batch(d[0], d[1], d[2], d[3] if len(d) > 3 else None) for d in snap.delivered}
         self._settled = OrderedDict.fromkeys(snap.settled)
         groups = [*self._ready.values(), *(g for b in self._delivered.values() for g in b.groups)]
         self._min_version = {g.group_id: group_min_version(g) for g in groups}
+        self._max_version = {g.group_id: group_max_version(g) for g in groups}
         self._n = Counter(
             pending=sum(len(p.trajectories) for p in self._pending.values()),
             ready=sum(len(g.trajectories) for g in self._ready.values()),
-            delivered=sum(b.num_trajectories for b in self._delivered.values()),
+            delivered=sum(b.num_trajectories for b in self._delivered.values() if b.applied_at is None),
+            applied=sum(b.num_trajectories for b in self._delivered.values() if b.applied_at is not None),
         )
         self._frames = dict(snap.frames)
         self._frame_bytes = sum(len(f) for f in self._frames.values())
         self._ready_floor = None
+        self._ahead_possible = True
 
     def commit(self) -> None:
         """Make every state change so far durable; call before acking or replying."""
@@ -447,7 +521,8 @@ class Buffer:
 
     # -- accounting ------------------------------------------------------------------------------
     def metrics(self) -> dict[str, int]:
-        """Counters and gauges; `received == trained + pending + ready + delivered + dropped_total`."""
+        """Counters and gauges; `received == trained + pending + ready + delivered + applied + dropped_total`
+        (`buffered` is the four in the middle)."""
         c = self.counters
         out = {
             "version": self.version,
@@ -456,13 +531,14 @@ class Buffer:
             "pending": self._n["pending"],
             "ready": self._n["ready"],
             "delivered": self._n["delivered"],
+            "applied": self._n["applied"],
             "dropped_total": sum(c.dropped.values()),
             "duplicates": c.duplicates,
             "partial_groups": c.partial_groups,
             "ready_groups": len(self._ready),
         }
-        out["buffered"] = out["pending"] + out["ready"] + out["delivered"]
-        for reason in (STALE, LATE):
+        out["buffered"] = out["pending"] + out["ready"] + out["delivered"] + out["applied"]
+        for reason in (STALE, LATE, AHEAD):
             out[f"dropped_{reason}"] = c.dropped.get(reason, 0)
         return out
 
@@ -474,7 +550,8 @@ class Buffer:
         counted = (
             sum(len(p.trajectories) for p in self._pending.values()),
             sum(len(g.trajectories) for g in self._ready.values()),
-            sum(b.num_trajectories for b in self._delivered.values()),
+            sum(b.num_trajectories for b in self._delivered.values() if b.applied_at is None),
+            sum(b.num_trajectories for b in self._delivered.values() if b.applied_at is not None),
         )
-        if counted != (m["pending"], m["ready"], m["delivered"]):
+        if counted != (m["pending"], m["ready"], m["delivered"], m["applied"]):
             raise AccountingError(f"buffer gauges disagree with its contents {counted}: {m}")

@@ -22,6 +22,12 @@ def group_min_version(group: Group) -> int | None:
     return min(versions) if versions else None
 
 
+def group_max_version(group: Group) -> int | None:
+    """Newest weight version among the group's generated tokens (None if it generated none)."""
+    versions = [int(turn.versions.max()) for t in group.trajectories for turn in t.turns if len(turn.versions)]
+    return max(versions) if versions else None
+
+
 def fifo(groups: Sequence[Group], trainer_version: int) -> Sequence[Group]:
     """Oldest ready group first: every group waits about as long as every other."""
     return groups

@@ -173,7 +173,8 @@ class BufferServer:
             elif kind == p.VERSION:
                 req = msgspec.msgpack.decode(_frame(frames, 2, "VERSION body"), type=p.SetVersion)
                 self.buffer.set_version(
-                    req.version, trained=req.trained, restarted=req.restarted, returned=req.returned
+                    req.version, trained=req.trained, restarted=req.restarted, returned=req.returned,
+                    committed=req.committed,
                 )
                 self.buffer.commit()
                 out.append([ident, p.OK, p.pack_u64(req.request_id)])

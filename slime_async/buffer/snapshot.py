@@ -35,10 +35,13 @@ class SnapshotState:
     released: list[str]
     pending: list[list[Trajectory]]
     ready: list[Group]
-    delivered: list[tuple[int, int, list[Group]]]
+    delivered: list[tuple[int, int, list[Group], int | None]]
+    """(batch id, version handed out at, groups, version after the step that trained it or None)."""
     frames: dict[str, Frame]
     settled: list[int] = field(default_factory=list)
     """The latest batch ids reported trained or returned (see `Buffer.is_settled`)."""
+    high_water: int = 0
+    """The highest version the trainer reported (see `Buffer.high_water`)."""
 
 
 class _GroupHeader(msgspec.Struct, array_like=True):
@@ -60,6 +63,9 @@ class _Header(msgspec.Struct, kw_only=True):
     ready: list[_GroupHeader]
     delivered: list[tuple[int, int, list[_GroupHeader]]]
     settled: list[int] = []
+    applied_at: list[int | None] = []
+    """Per delivered batch, in order (older snapshots: none, all unapplied)."""
+    high_water: int = 0
 
 
 class _SnapshotV1(msgspec.Struct, kw_only=True):
@@ -91,8 +97,9 @@ def encode(state: SnapshotState) -> list[Frame]:
         partial_groups=state.partial_groups, dropped=state.dropped, seen=state.seen, released=state.released,
         pending=[header(ts[0].group_id, ts[0].task_id, ts) for ts in state.pending if ts],
         ready=[header(g.group_id, g.task_id, g.trajectories) for g in state.ready],
-        delivered=[(b, v, [header(g.group_id, g.task_id, g.trajectories) for g in gs]) for b, v, gs in state.delivered],
-        settled=state.settled,
+        delivered=[(d[0], d[1], [header(g.group_id, g.task_id, g.trajectories) for g in d[2]])
+                   for d in state.delivered],
+        settled=state.settled, applied_at=[d[3] for d in state.delivered], high_water=state.high_water,
     )
     head_bytes = msgspec.msgpack.encode(head)
     return [_U32.pack(len(head_bytes)), head_bytes, *frames]
@@ -119,12 +126,13 @@ def decode(payload: bytes) -> SnapshotState:
 
     pending = [group(g).trajectories for g in head.pending]
     ready = [group(g) for g in head.ready]
-    delivered = [(b, v, [group(g) for g in gs]) for b, v, gs in head.delivered]
+    applied = head.applied_at or [None] * len(head.delivered)
+    delivered = [(b, v, [group(g) for g in gs], a) for (b, v, gs), a in zip(head.delivered, applied, strict=True)]
     if offset != len(payload):
         raise ValueError(f"snapshot: {len(payload) - offset} bytes left after the last frame")
     return SnapshotState(
         head.version, head.received, head.trained, head.partial_groups, head.dropped, head.seen, head.released,
-        pending, ready, delivered, frames, head.settled,
+        pending, ready, delivered, frames, head.settled, head.high_water,
     )
 
 
@@ -135,5 +143,5 @@ def decode_v1(payload: bytes) -> SnapshotState:
     trajs = [*(t for ts in s.pending for t in ts), *(t for g in groups for t in g.trajectories)]
     return SnapshotState(
         s.version, s.received, s.trained, s.partial_groups, s.dropped, s.seen, s.released,
-        s.pending, s.ready, s.delivered, {t.id: to_msgpack(t) for t in trajs},
+        s.pending, s.ready, [(b, v, gs, None) for b, v, gs in s.delivered], {t.id: to_msgpack(t) for t in trajs},
     )

@@ -55,6 +55,9 @@ class RecordType(enum.IntEnum):
     """The trainer's version, the batches it reported trained, whether it restarted."""
     SNAPSHOT = 5
     """Everything live at compaction time, as one msgpack document (older files; no longer written)."""
+    EVICT = 7
+    """Ready groups dropped when a batch was asked for (tokens ahead of every version reached):
+    a decision of that moment, which replay must not re-make. Group ids and the reason."""
     SNAPSHOT_FRAMES = 6
     """Everything live at compaction time, trajectories as their wire frames (`buffer.snapshot`);
     always the first record of a compacted file."""

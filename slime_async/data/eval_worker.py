@@ -29,6 +29,7 @@ from slime_async.config.model_dir import resolve_model_path
 from slime_async.data.eval_suite import EvalSuite, run_suites, suites_from_config
 from slime_async.data.remote_reward import close_shared_remote_rewards
 from slime_async.rollout import SGLangClient
+from slime_async.rollout.throttle import Throttled
 from slime_async.train.metrics_log import MetricsLog
 
 log = logging.getLogger("slime_async.data.eval_worker")
@@ -39,16 +40,23 @@ def next_due(version: int, every: int) -> int:
     return (version // every + 1) * every
 
 
+_WARN = Throttled(log, every_s=60.0)
+
+
 async def engine_version(session: aiohttp.ClientSession, urls: list[str]) -> int | None:
     """The lowest weight version the engines report (the policy every engine serves), or None
-    when none answers."""
+    when none answers. A replacement engine says `pending` until the trainer brings it up to date:
+    not a version yet, and not worth a warning."""
     versions = []
     for url in urls:
         try:
             async with session.get(url.rstrip("/") + "/get_model_info", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                versions.append(int((await r.json())["weight_version"]))
+                version = str((await r.json())["weight_version"])
         except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
-            log.warning("version of %s unknown: %s", url, exc)
+            _WARN.warning(f"{url} {type(exc).__name__}", "version of %s unknown: %s", url, exc)
+            continue
+        if version.lstrip("-").isdigit():
+            versions.append(int(version))
     return min(versions) if versions else None
 
 

@@ -31,6 +31,7 @@ from slime_async.config.model_dir import resolve_model_path
 from slime_async.launch.health import wait_healthy
 from slime_async.launch.process import start_process
 from slime_async.launch.sglang_command import preflight, router_argv, sglang_argv
+from slime_async.train.run_log import append_event
 
 HOST, PORT, CONFIG = "@HOST@", "@PORT@", "@CONFIG@"
 """Placeholders in a part's command line, filled in where the process starts: the address it binds
@@ -258,8 +259,7 @@ class LocalLauncher:
                 part.finished = True
                 continue
             message = f"{part.name} {child.exit_reason()}; last lines of {child.log_path}:\n{child.tail()}"
-            self.events.append(f"{part.name} died ({child.exit_reason()})")
-            self._on_event(message)
+            self._event(f"{part.name} died ({child.exit_reason()})", shown=message)
             if part.restarts >= self.cfg.launch.max_restarts:
                 raise PartFailed(message + f"\n{part.name} was restarted {part.restarts} times already: stopping")
             # ranks of one torch.distributed group cannot go on without the dead one: all start again
@@ -270,8 +270,13 @@ class LocalLauncher:
             for member in group:
                 member.restarts += 1
                 member.child = member.start(member.restarts)
-                self.events.append(f"{member.name} restarted ({member.restarts}/{self.cfg.launch.max_restarts})")
-                self._on_event(self.events[-1])
+                self._event(f"{member.name} restarted ({member.restarts}/{self.cfg.launch.max_restarts})")
+
+    def _event(self, message: str, shown: str | None = None) -> None:
+        """Record what happened to a part: in the summary, in `events.jsonl`, on the console."""
+        self.events.append(message)
+        append_event(self.run_dir, message)
+        self._on_event(shown or message)
 
     def supervise(self, done: Callable[[], bool], interval: float = 1.0) -> None:
         """Check the parts every `interval` seconds until `done()` (or the trainer finished)."""

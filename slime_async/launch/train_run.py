@@ -28,8 +28,9 @@ from rich.table import Table
 from slime_async.config import Config, ConfigError, to_yaml
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.launch.local import LocalLauncher
-from slime_async.launch.success_check import check_success, measure_success
+from slime_async.launch.success_check import Success, check_success, measure_success
 from slime_async.train.metrics_log import check_log_config
+from slime_async.train.run_log import append_event, read_events
 
 
 def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool) -> tuple[Path, Path]:
@@ -70,12 +71,18 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
     cfg, warm = _warm_start(cfg, console)
     config_path.write_text(to_yaml(cfg))  # every part reads the model RL starts from
     before = None
-    if cfg.warmstart.check_tasks and not resume:
+    before_path = run_dir / "success_before.json"
+    if resume and before_path.exists():  # measured by the run's first attempt: kept, not measured again
+        before = Success(**json.loads(before_path.read_text()))
+    elif cfg.warmstart.check_tasks and not resume:
         with _status(console, f"measuring success on {cfg.warmstart.check_tasks} held-out problems ..."):
             before = asyncio.run(measure_success(cfg, None, cfg.warmstart.check_tasks))
+        before_path.write_text(json.dumps(asdict(before)))
         console.print(f"success before RL: {before.sampled:.1%} sampled, {before.greedy:.1%} greedy "
                       f"({before.tasks} held-out problems)")
         check_success(cfg, before)
+    if resume:
+        append_event(run_dir, "the run was resumed (--resume)")
     launcher: LocalLauncher
     if ray is not None:
         from slime_async.launch.ray_launcher import RayLauncher
@@ -109,7 +116,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
     evals = read_metrics(run_dir / "eval.jsonl")
     summary = {"steps": len(records), "wall_s": time.monotonic() - started, "rl_s": rl_s, "warmstart": warm,
                "success_before": asdict(before) if before else None,
-               "success_after": asdict(after) if after else None, "events": launcher.events, "parts": parts,
+               "success_after": asdict(after) if after else None, "parts": parts,
+               "events": [e["event"] for e in read_events(run_dir)],  # every attempt's, with --resume
                "last": records[-1] if records else None, "buffer": buffer_metrics, "eval": evals,
                "max_staleness": max((r.get("max_staleness", 0) for r in records), default=None),
                "rollout": rollout_stats(run_dir),
@@ -168,6 +176,44 @@ def buffer_counts(launcher: LocalLauncher) -> dict[str, int] | None:
         return None
     finally:
         client.close()
+
+
+def buffer_books(b: dict[str, int]) -> str:
+    """`received = trained + buffered + dropped (by reason)`, checked: a mismatch is said, not hidden."""
+    reasons = {k.removeprefix("dropped_"): v for k, v in b.items() if k.startswith("dropped_") and k != "dropped_total"}
+    dropped = b.get("dropped_total", sum(reasons.values()))
+    by_reason = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()) if n)
+    text = (f"received {b.get('received', 0)} = trained {b.get('trained', 0)} + buffered {b.get('buffered', 0)} + "
+            f"dropped {dropped}" + (f" ({by_reason})" if by_reason else ""))
+    if b.get("received", 0) != b.get("trained", 0) + b.get("buffered", 0) + dropped:
+        text += " [red]DOES NOT ADD UP[/]"
+    return text
+
+
+def episode_books(workers: list[dict[str, Any]], b: dict[str, int]) -> str:
+    """Every episode the run started, across restarts: `started = received by the buffer + dropped by
+    the rollout (by reason) + lost in flight when a worker died + in flight (+ sent but not acked when
+    a worker died)`. Checked exactly when no worker died; a killed worker's counts are those of its last
+    report (every 2 s), so after a death the line says so instead."""
+    totals = [w.get("totals") or {"started": w["episodes"] + w["in_flight"], "sent": w["sent"],
+                                  "dropped": w["dropped"], "lost_in_flight": 0} for w in workers]
+    started = sum(t["started"] for t in totals)
+    dropped: dict[str, int] = {}
+    for t in totals:
+        for reason, n in t["dropped"].items():
+            dropped[reason] = dropped.get(reason, 0) + n
+    lost = sum(t["lost_in_flight"] for t in totals)
+    in_flight = sum(w["in_flight"] for w in workers)
+    unacked = sum(t["sent"] for t in totals) - b.get("received", 0)
+    by_reason = ", ".join(f"{n} {r}" for r, n in sorted(dropped.items()) if n)
+    text = (f"started {started} = to the buffer {b.get('received', 0)} + dropped by the rollout "
+            f"{sum(dropped.values())}" + (f" ({by_reason})" if by_reason else "") +
+            f" + lost in flight with a dead worker {lost} + in flight {in_flight}")
+    if lost > 0 or any(t.get("lives", 1) > 1 for t in totals):  # restarted, or the run resumed
+        return text + f" (a killed worker's counts are from its last report: {unacked:+d} between sent and received)"
+    if unacked or started != b.get("received", 0) + sum(dropped.values()) + in_flight:
+        text += " [red]DOES NOT ADD UP[/]"
+    return text
 
 
 def rollout_stats(run_dir: Path) -> list[dict[str, Any]]:
@@ -254,9 +300,9 @@ def summary_table(summary: dict[str, Any]) -> Table:
     if summary.get("max_staleness") is not None:
         table.add_row("max staleness", str(summary["max_staleness"]))
     if b := summary.get("buffer"):
-        dropped = sum(v for k, v in b.items() if k.startswith("dropped"))
-        table.add_row("buffer", f"received {b.get('received', 0)} = trained {b.get('trained', 0)} + "
-                                f"buffered {b.get('buffered', 0)} + dropped {dropped}")
+        table.add_row("buffer", buffer_books(b))
+        if summary.get("rollout"):
+            table.add_row("episodes", episode_books(summary["rollout"], b))
     if workers := summary.get("rollout"):
         dropped: dict[str, int] = {}
         for w in workers:

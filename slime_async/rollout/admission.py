@@ -51,9 +51,20 @@ class StalenessBudget:
             self.accepted += int(kept)
             self._changed.notify_all()
 
-    async def set_version(self, version: int) -> None:
-        """The engines now serve `version` (learned from the weight-sync protocol); never goes back."""
+    async def recover(self, version: int, accepted: int) -> None:
+        """The engines went back to `version` (a trainer restarted from its checkpoint there), and
+        `accepted` is what the run has kept that the trainer has trained by then or has still to train
+        (AReaL's `on_version_recovered`): the rule goes on from there, neither admitting past the
+        bound nor waiting for trajectories that a rolled-back trainer will never get."""
         async with self._changed:
-            if version > self.version:
+            self.version, self.accepted = version, accepted
+            self._changed.notify_all()
+
+    async def set_version(self, version: int) -> None:
+        """The engines now serve `version` (learned from the weight-sync protocol). It goes back when
+        the engines do (a trainer restarted from an older checkpoint, AReaL's `on_version_recovered`):
+        admission then waits until the trainer has caught up with what was accepted."""
+        async with self._changed:
+            if version != self.version:
                 self.version = version
                 self._changed.notify_all()

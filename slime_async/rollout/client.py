@@ -31,6 +31,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
+from slime_async.rollout.throttle import Throttled
 from slime_async.types.arrays import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class SGLangClient:
         self._admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         """`/abort_request` is an admin endpoint: engines with an admin token refuse it without."""
         self.latest_version = -1
+        self._warn = Throttled(log)
         """Highest weight version any server reported (the weight-sync protocol's stamp)."""
         self.stats = ClientStats()
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
@@ -257,7 +259,8 @@ class SGLangClient:
                     self.stats.failovers += 1
                 if attempt < self.retries:
                     self.stats.retries += 1
-                    log.warning("generate failed (%s), retrying in %.2fs", last_error, delay)
+                    self._warn.warning(f"{server.url} {type(exc).__name__}", "generate failed (%s), retrying in %.2fs",
+                                       last_error, delay)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self.max_backoff)
             finally:
@@ -301,10 +304,13 @@ class SGLangClient:
     def _saw_version(self, version: int) -> None:
         if version > self.latest_version:
             self.latest_version = version
-            for callback in self._version_listeners:
-                result = callback(version)
-                if asyncio.iscoroutine(result):
-                    self._spawn(result)
+            self._notify(version)
+
+    def _notify(self, version: int) -> None:
+        for callback in self._version_listeners:
+            result = callback(version)
+            if asyncio.iscoroutine(result):
+                self._spawn(result)
 
     # --- routing and health -------------------------------------------------------------
 
@@ -364,9 +370,13 @@ class SGLangClient:
         """Ask every healthy server for its weight version (`/get_model_info`); returns the newest.
 
         Answers to /generate carry the version too, but a scheduler whose admission is blocked sends
-        none: this is how it learns that the trainer moved on.
+        none: this is how it learns that the trainer moved on. When every server answers a version
+        older than the newest seen, the trainer restarted from an older checkpoint and brought the
+        engines back: the listeners hear the older version (answers to /generate, which may come
+        from an engine a publish has not reached yet, only ever move it forward).
         """
         assert self._session is not None
+        answers = []
         for server in self.servers.values():
             if not server.healthy:
                 continue
@@ -374,7 +384,16 @@ class SGLangClient:
                                      KeyError, TypeError):
                 async with self._session.get(server.url + "/get_model_info",
                                              timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    self._saw_version(int((await r.json(content_type=None))["weight_version"]))
+                    version = str((await r.json(content_type=None))["weight_version"])
+                if version.lstrip("-").isdigit():  # a replacement engine says `pending` until it is brought up
+                    answers.append(int(version))
+        if answers and max(answers) < self.latest_version:
+            log.warning("every engine went back from version %d to %d (the trainer restarted from a checkpoint)",
+                        self.latest_version, max(answers))
+            self.latest_version = max(answers)
+            self._notify(self.latest_version)
+        elif answers:
+            self._saw_version(max(answers))
         return self.latest_version
 
     async def check_health(self) -> dict[str, bool]:

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -108,6 +108,7 @@ class Scheduler:
         version: int = 0,
         accepted: int = 0,
         verifiers: VerifierPool | None = None,
+        recount: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         self.factory = factory
         self._tasks: Iterator[Task] = iter(tasks)
@@ -120,10 +121,21 @@ class Scheduler:
         self.filter_equal_rewards = filter_equal_rewards
         self.verifiers = verifiers
         self.budget = StalenessBudget(batch_size, max_staleness, version=version, accepted=accepted)
+        self.recount = recount
+        """What this scheduler's share of the run has accepted, asked again when the engines go back
+        to an older version (the buffer's count: a restarted trainer trains what it got back)."""
         self._slots = asyncio.Semaphore(max_concurrency)
         self.stats = RolloutStats()
         self._stop = asyncio.Event()
-        client.on_version(self.budget.set_version)
+        client.on_version(self._on_version)
+
+    async def _on_version(self, version: int) -> None:
+        if version < self.budget.version and self.recount is not None:
+            log.warning("the engines went back from version %d to %d: admission recounts what was accepted",
+                        self.budget.version, version)
+            await self.budget.recover(version, await self.recount())
+        else:
+            await self.budget.set_version(version)
 
     async def set_version(self, version: int) -> None:
         """Tell the scheduler the engines now serve `version` (from the weight-sync protocol)."""
@@ -167,12 +179,14 @@ class Scheduler:
                 await asyncio.gather(*groups, return_exceptions=True)
         return self.stats
 
-    async def _watch_version(self, interval: float = 0.5) -> None:
+    async def _watch_version(self, interval: float = 0.5, every: int = 10) -> None:
         """While admission is blocked, ask the engines for their version: with nothing in flight no
-        answer would bring it, and the run would wait forever for a trainer that already moved on."""
-        while True:
+        answer would bring it, and the run would wait forever for a trainer that already moved on.
+        Otherwise every `every` intervals: answers to /generate never say that the engines went
+        back (a trainer restarted from a checkpoint), and admission must then wait for it."""
+        for tick in itertools.count(1):
             await asyncio.sleep(interval)
-            if not self.budget.can_start():
+            if not self.budget.can_start() or tick % every == 0:
                 await self.client.refresh_version()
 
     async def _run_group(self, task: Task, admitted: asyncio.Future) -> None:

@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from slime_async.agents.server import close_shared_server
 from slime_async.config import load_config
@@ -32,20 +33,55 @@ from slime_async.rollout.sinks import BufferSink
 log = logging.getLogger("slime_async.rollout.worker")
 
 
-def write_stats(scheduler: Scheduler, path: Path) -> None:
-    """The scheduler's running figures as JSON, replaced atomically (the launcher's view reads it)."""
+def earlier_totals(path: Path) -> dict[str, Any]:
+    """The books of this worker's earlier lives in the run (it was restarted, or the run resumed):
+    what they started, sent and dropped, and the episodes still in flight at their last report, lost
+    with them when they died (0 after a clean stop)."""
+    try:
+        last = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {"started": 0, "sent": 0, "dropped": {}, "lost_in_flight": 0, "lives": 0}
+    totals = last.get("totals") or {"started": last.get("episodes", 0) + last.get("in_flight", 0),
+                                    "sent": last.get("sent", 0), "dropped": last.get("dropped", {}),
+                                    "lost_in_flight": 0, "lives": 1}
+    return {**totals, "lost_in_flight": totals["lost_in_flight"] + last.get("in_flight", 0)}
+
+
+def write_stats(scheduler: Scheduler, path: Path, earlier: dict[str, Any] | None = None) -> None:
+    """The scheduler's running figures as JSON, replaced atomically (the launcher's view reads it), with
+    `totals` over the worker's lives in this run (the run's books: `earlier_totals`)."""
     tmp = path.with_suffix(".tmp")
     st = scheduler.stats
     recent = st.rewards[-256:]
+    e = earlier or {"started": 0, "sent": 0, "dropped": {}, "lost_in_flight": 0, "lives": 0}
+    dropped = dict(e["dropped"])
+    for reason, n in st.dropped.items():
+        dropped[reason] = dropped.get(reason, 0) + n
+    totals = {"started": e["started"] + st.started, "sent": e["sent"] + st.sent, "dropped": dropped,
+              "lost_in_flight": e["lost_in_flight"], "lives": e.get("lives", 0) + 1}
     tmp.write_text(json.dumps({**st.summary(), "in_flight": st.started - st.finished, "time": time.time(),
-                               "recent_reward": sum(recent) / len(recent) if recent else None}))
+                               "recent_reward": sum(recent) / len(recent) if recent else None, "totals": totals}))
     tmp.replace(path)
 
 
-async def report_stats(scheduler: Scheduler, path: Path, every_s: float = 2.0) -> None:
+async def report_stats(scheduler: Scheduler, path: Path, earlier: dict[str, Any], every_s: float = 2.0) -> None:
     while True:
         await asyncio.sleep(every_s)  # a reporting period, not a wait for a condition
-        write_stats(scheduler, path)
+        write_stats(scheduler, path, earlier)
+
+
+def accepted_so_far(buffer: str, curve_dir: str | None) -> int | None:
+    """What the run has accepted that counts against the staleness bound: the trajectories the buffer
+    holds or the trainer trained (by its checkpoint). None when the buffer does not answer."""
+    from slime_async.buffer import BufferClient
+
+    with BufferClient(buffer, curve_dir=curve_dir) as client:
+        try:
+            m = client.metrics(timeout=10)
+        except TimeoutError:
+            log.warning("the buffer at %s did not say what it holds", buffer)
+            return None
+    return int(m["trained"]) + int(m["buffered"])
 
 
 async def run_worker(config_path: str, buffer: str, engines: list[str], worker: int, num_workers: int,
@@ -65,6 +101,13 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
     sampling = Sampling.from_config(r.sampling)
     # Each worker admits its share of the batch, so that the workers together keep the global bound.
     batch_share = max(1, r.batch_size // num_workers)
+    # A resumed run (or a restarted worker) counts what was accepted before it: without it the rule
+    # admits (v + eta + 1) * B at once at version v (AReaL's issue #1388).
+    accepted = (accepted_so_far(buffer, cfg.buffer.curve_dir) or 0) // num_workers
+
+    async def recount() -> int:
+        found = await asyncio.to_thread(accepted_so_far, buffer, cfg.buffer.curve_dir)
+        return found // num_workers if found is not None else scheduler.budget.accepted
     async with SGLangClient(engines, admin_token=cfg.engine.admin_token) as client, AsyncSender(
             buffer, name=f"rollout-{worker}", curve_dir=cfg.buffer.curve_dir) as sender:
         sink = BufferSink(sender)
@@ -72,19 +115,20 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
             envs, tasks, client, tokenizer, sink, group_size=r.group_size,
             batch_size=batch_share, max_staleness=r.max_staleness,
             max_concurrency=max(1, r.max_concurrency // num_workers),
-            filter_equal_rewards=r.filter_equal_rewards, sampling=sampling,
+            filter_equal_rewards=r.filter_equal_rewards, sampling=sampling, accepted=accepted, recount=recount,
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, scheduler.stop)
         print("READY", flush=True)
         stats_path = Path(cfg.run.dir) / cfg.run.name / f"rollout-{worker}.json"
-        reporter = asyncio.ensure_future(report_stats(scheduler, stats_path))
+        earlier = earlier_totals(stats_path)
+        reporter = asyncio.ensure_future(report_stats(scheduler, stats_path, earlier))
         try:
             stats = await scheduler.run(num_groups=groups)
         finally:
             reporter.cancel()
-            write_stats(scheduler, stats_path)
+            write_stats(scheduler, stats_path, earlier)
         await sink.close()
         await close_shared_remote_rewards()
         await close_shared_server()  # the agent endpoint, when an agent env started one

@@ -140,12 +140,12 @@ def build_batch(
                 cut = True
             if (mask > 0).any():  # a segment with nothing to train on adds no row
                 rows.append((traj, ids, logprobs, mask))
+        truncated += cut  # counted also when nothing of it is left to train (as `no_trainable_tokens`)
         if reason is None and not rows:
             reason = "no_trainable_tokens"
         if reason is not None:
             skipped[reason] += 1
             continue
-        truncated += cut
         kept += rows
     if not kept:
         return BuildResult(None, skipped, truncated)

@@ -55,6 +55,11 @@ class BatchSource(Protocol):
         """The trainer's version is now `version` (staleness filtering uses it)."""
         ...
 
+    def commit(self, version: int) -> None:
+        """A checkpoint holds every step up to `version`: what they trained on is trained for good
+        (before that, a trainer restarting from an older checkpoint gets it back)."""
+        ...
+
 
 @runtime_checkable
 class Stateful(Protocol):
@@ -176,6 +181,8 @@ class Trainer:
         """trajectories_trained, skipped:<reason> (trajectories; `step_not_applied` when the batch's step was
         skipped), truncated, masked_truncated and unmasked_truncated (`build_batch`), empty_batches,
         skipped_steps, publish_failures, engines_reconciled (engines found behind and brought up to date)."""
+        self.checkpoint_s = 0.0
+        """Seconds spent writing checkpoints (the price of losing few steps in a crash)."""
         self._stop = asyncio.Event()
 
     # --- resume -------------------------------------------------------------------------
@@ -244,10 +251,20 @@ class Trainer:
             if self.on_step is not None:
                 self.on_step(record)
             every = self.cfg.checkpoint_every
-            if self.checkpoint_dir is not None and every and record.applied and self.version % every == 0:
-                await asyncio.to_thread(self.save)
+            if self.checkpoint_dir is None or not every:
+                if record.applied:  # no checkpoint will hold it: a step counts as trained once applied
+                    self.source.commit(self.version)
+            elif record.applied and self.version % every == 0:
+                await self._checkpoint()
         if self.checkpoint_dir is not None and vote != Stop.ASKED:
-            await asyncio.to_thread(self.save)
+            await self._checkpoint()
+
+    async def _checkpoint(self) -> None:
+        t = time.perf_counter()
+        await asyncio.to_thread(self.save)
+        self.counters["checkpoints"] += 1
+        self.checkpoint_s += time.perf_counter() - t
+        self.source.commit(self.version)
 
     async def _decide(self, target: int, deadline: float) -> Stop:
         """This rank's vote, shared with the others: every rank stops after the same step."""

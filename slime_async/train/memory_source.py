@@ -43,6 +43,9 @@ class InMemorySource:
             self.version = version
             self.versions_seen.append(version)
 
+    def commit(self, version: int) -> None:
+        """Nothing to settle: the list is the source, and `offset` is in the checkpoint."""
+
     def state_dict(self) -> dict[str, Any]:
         return {"offset": self.offset}
 

@@ -173,6 +173,9 @@ class LeaderSource:
     def set_version(self, version: int) -> None:
         self.inner.set_version(version)
 
+    def commit(self, version: int) -> None:
+        self.inner.commit(version)
+
     def __getattr__(self, name: str) -> Any:  # `received`, `last`: the buffer source's figures
         return getattr(self.inner, name)
 
@@ -188,6 +191,9 @@ class FollowerSource:
         return [from_msgpack(f, Trajectory) for f in frames]
 
     def set_version(self, version: int) -> None:
+        """Rank 0 tells the buffer."""
+
+    def commit(self, version: int) -> None:
         """Rank 0 tells the buffer."""
 
 

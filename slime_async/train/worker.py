@@ -4,9 +4,11 @@
 [--rank R --world-size N --dist-init tcp://HOST:PORT]` joins the torch.distributed group when given
 one (the Ray launcher starts `train.world_size` ranks so), resumes from the run's latest checkpoint
 if there is one, tells the buffer its version (handing back batches that a previous trainer received
-but did not train), prints `READY`, and trains until `train.steps`; each step appends one JSON line
-to `<run dir>/metrics.jsonl` (mirrored to TensorBoard and wandb per `log:`), and every
-`log.sample_every` steps a few of the batch's trajectories, decoded, to `<run dir>/samples.md`.
+but did not train by that checkpoint), prints `READY`, and trains until `train.steps`; each step
+appends one JSON line to `<run dir>/metrics.jsonl` (mirrored to TensorBoard and wandb per `log:`) and
+the ids it trained to `<run dir>/trained_ids.jsonl`, and every `log.sample_every` steps a few of the
+batch's trajectories, decoded, to `<run dir>/samples.md`. Coming back from a checkpoint, it drops the
+lines of the steps it undid from both files and says so in `<run dir>/events.jsonl`.
 SIGTERM/SIGINT end it after the batch in progress (a checkpoint is
 written at the end of a complete run).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -58,6 +61,9 @@ class BufferSource:
 
     def set_version(self, version: int) -> None:
         self.client.set_version(version)
+
+    def commit(self, version: int) -> None:
+        self.client.set_version(version, committed=version)
 
 
 def metrics_line(record: StepRecord, counters: dict[str, int], started: float) -> dict[str, Any]:
@@ -124,6 +130,7 @@ async def lead(cfg: Config, buffer: str, engines: list[str], ranks: ControlGroup
     from slime_async.config.model_dir import load_tokenizer, resolve_model_path
     from slime_async.train.build import build_trainer, run_dir
     from slime_async.train.metrics_log import MetricsLog
+    from slime_async.train.run_log import TRAINED_IDS, append_event, roll_back_metrics
     from slime_async.train.samples import append_samples
 
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
@@ -131,14 +138,24 @@ async def lead(cfg: Config, buffer: str, engines: list[str], ranks: ControlGroup
     source = BufferSource(client)
     trainer = build_trainer(cfg, source, engines, ranks=ranks)
     resumed = trainer.resume()
-    # a restarted trainer gets back the batches its predecessor received but never trained
+    # a restarted trainer gets back the batches its predecessor received but did not train by the
+    # checkpoint it came back from: the run's data is trained exactly once
     client.set_version(trainer.version, restarted=True)
     out_dir = run_dir(cfg)
+    undone = roll_back_metrics(out_dir / "metrics.jsonl", trainer.version)
+    roll_back_metrics(out_dir / TRAINED_IDS, trainer.version)
+    if undone is not None:
+        append_event(out_dir, f"trainer went back from version {undone} to its checkpoint at {trainer.version} "
+                     f"({undone - trainer.version} steps to train again)", rolled_back_from=undone,
+                     rolled_back_to=trainer.version)
     metrics = MetricsLog(out_dir / "metrics.jsonl", cfg.log, out_dir, cfg.run.name)
     started = time.monotonic()
 
     def on_step(record: StepRecord) -> None:
         metrics.write(metrics_line(record, trainer.counters, started), step=record.version)
+        if record.applied:  # the trainer's own record of what each step trained (checked against the buffer's)
+            with (out_dir / TRAINED_IDS).open("a") as f:
+                f.write(json.dumps({"version": record.version, "ids": [t.id for t in source.last]}) + "\n")
         every = cfg.log.sample_every
         if every and record.version % every == 0 and source.last:
             append_samples(out_dir / "samples.md", source.last, tokenizer, record.version)

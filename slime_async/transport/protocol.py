@@ -165,8 +165,11 @@ class SetVersion(msgspec.Struct, kw_only=True):
     """Batch ids that reached the client after it stopped waiting for them (a late answer): never
     trained, so they go back to the front of the buffer."""
     restarted: bool = False
-    """The trainer restarted from a checkpoint: batches handed out and not reported trained go back
-    to the buffer to be handed out again."""
+    """The trainer restarted from the checkpoint at `version`: batches handed out and not trained by
+    then (applied after that checkpoint, or never reported) go back to be handed out again."""
+    committed: int | None = None
+    """A checkpoint holds every step up to this version: the batches applied so far are trained
+    for good (until then a restart from an older checkpoint trains them again)."""
 
 
 _encoder = msgspec.msgpack.Encoder()

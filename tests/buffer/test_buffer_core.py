@@ -91,6 +91,7 @@ def test_freshest_and_custom_policies() -> None:
     buf = Buffer(group_size=1, max_staleness=10, policy=freshest)
     for name, version in [("v1", 1), ("v3", 3), ("v2", 2)]:
         buf.add(traj(name, 0, version))
+    buf.set_version(3)
     batch = buf.get_batch(2, batch_id=1)
     assert batch is not None and ids(batch) == ["v3-0", "v2-0"]
 
@@ -115,7 +116,7 @@ def test_trained_batches_leave_and_a_restarted_trainer_gets_untrained_ones_back(
         buf.add(traj(f"g{k}", 0))
     b1, b2 = buf.get_batch(1, batch_id=1), buf.get_batch(1, batch_id=2)
     assert b1 is not None and b2 is not None
-    buf.set_version(1, trained=[1])
+    buf.set_version(1, trained=[1], committed=1)
     m = balanced(buf)
     assert (m["trained"], m["delivered"], m["ready"]) == (1, 1, 2)
     buf.set_version(1, restarted=True)  # batch 2 was handed out but never trained
@@ -136,7 +137,7 @@ def test_a_settled_batch_id_asked_again_takes_nothing(tmp_path: Path, restart: s
     for k in range(4):
         buf.add(traj(f"g{k}", 0))
     assert buf.get_batch(1, batch_id=7) is not None and buf.get_batch(1, batch_id=8) is not None
-    buf.set_version(1, trained=[7], returned=[8])
+    buf.set_version(1, trained=[7], returned=[8], committed=1)
     if restart == "snapshot":
         buf.compact()
     if restart != "none":
@@ -156,9 +157,10 @@ def test_wal_restores_everything_acked_and_not_trained(tmp_path: Path) -> None:
     fill(buf, "c", 1, version=1, now=0.0)
     fill(buf, "d", 1, version=1)
     buf.tick(now=10.0)  # c and d released as partial groups (logged: replay must not re-decide)
+    buf.set_version(1)
     first = buf.get_batch(2, batch_id=11)
     second = buf.get_batch(2, batch_id=12)
-    buf.set_version(2, trained=[11])
+    buf.set_version(2, trained=[11], committed=2)
     buf.commit()
     before = balanced(buf)
     buf.close()
@@ -169,7 +171,7 @@ def test_wal_restores_everything_acked_and_not_trained(tmp_path: Path) -> None:
     assert ids(first) == ["a-0", "a-1"]
     back.add(traj("a", 0, version=1))  # seen before the restart: still a duplicate
     assert back.metrics()["duplicates"] == 1
-    back.set_version(3, trained=[12])
+    back.set_version(3, trained=[12], committed=3)
     rest = back.get_batch(2, batch_id=13)
     assert rest is not None and sorted(ids(rest)) == ["c-0", "d-0"]
     back.close()
@@ -183,7 +185,7 @@ def test_compaction_keeps_state_and_shrinks_the_log(tmp_path: Path) -> None:
         assert buf.get_batch(1, batch_id=k) is not None
     buf.commit()
     size_before = (tmp_path / WAL_FILE).stat().st_size
-    buf.set_version(1, trained=list(range(50)))  # reaches compact_every: the log is rewritten
+    buf.set_version(1, trained=list(range(50)), committed=1)  # reaches compact_every: the log is rewritten
     buf.commit()
     assert (tmp_path / WAL_FILE).stat().st_size < size_before / 3
     buf.add(traj("g0", 0))  # ids survive compaction: still a duplicate
@@ -203,15 +205,15 @@ def test_compaction_waits_until_most_of_the_log_is_dead(tmp_path: Path) -> None:
         buf.add(traj(f"g{k}", 0, tokens=500))
     for k in range(20):
         assert buf.get_batch(1, batch_id=k) is not None
-    buf.set_version(1, trained=list(range(10)))  # 30 of 40 live: no rewrite
+    buf.set_version(1, trained=list(range(10)), committed=1)  # 30 of 40 live: no rewrite
     buf.commit()
     size = (tmp_path / WAL_FILE).stat().st_size
-    buf.set_version(2, trained=list(range(10, 20)))  # 20 of 40 live: still none
+    buf.set_version(2, trained=list(range(10, 20)), committed=2)  # 20 of 40 live: still none
     buf.commit()
     assert (tmp_path / WAL_FILE).stat().st_size > size  # only appended to
     for k in range(20, 32):
         assert buf.get_batch(1, batch_id=k) is not None
-    buf.set_version(3, trained=list(range(20, 32)))  # 8 of 40 live (< 1/4): rewritten
+    buf.set_version(3, trained=list(range(20, 32)), committed=3)  # 8 of 40 live (< 1/4): rewritten
     buf.commit()
     assert (tmp_path / WAL_FILE).stat().st_size < size / 3
     buf.close()
@@ -226,7 +228,7 @@ def test_snapshot_restores_pending_ready_and_delivered_groups_with_their_frames(
     first = buf.get_batch(2, batch_id=1)
     second = buf.get_batch(2, batch_id=2)
     assert first is not None and second is not None
-    buf.set_version(1, trained=[1])  # 2 trained of 9: the rewrite keeps the other 7
+    buf.set_version(1, trained=[1], committed=1)  # 2 trained of 9: the rewrite keeps the other 7
     buf.compact()
     buf.close()
     back = Buffer.open(tmp_path, group_size=2, max_staleness=100)
@@ -307,3 +309,50 @@ def test_server_settings_come_from_the_config_tree(tmp_path: Path) -> None:
     assert s.wal_dir == str(tmp_path / "r1" / "buffer-wal")
     with pytest.raises(ConfigError, match=r"buffer\.sender_credits"):
         load_config(None, ["buffer.sender_credits=0"])
+
+
+def test_applied_batches_stay_until_a_checkpoint_holds_them_and_come_back_after_a_rollback(tmp_path: Path) -> None:
+    buf = Buffer.open(tmp_path, group_size=1, max_staleness=10)
+    for k in range(6):
+        buf.add(traj(f"g{k}", 0))
+    batches = {}
+    for v in range(1, 5):  # versions 1..4, one batch each; a checkpoint at 2 only
+        batches[v] = buf.get_batch(1, batch_id=100 + v)
+        buf.set_version(v, trained=[100 + v], committed=2 if v == 2 else None)
+        m = balanced(buf)
+    assert (m["trained"], m["applied"], m["delivered"], m["ready"]) == (2, 2, 0, 2), m
+    buf.close()
+    buf = Buffer.open(tmp_path, group_size=1, max_staleness=10)  # the WAL keeps them as they were
+    assert balanced(buf) == m
+    buf.set_version(2, restarted=True)  # the trainer died at 4 and came back from the checkpoint at 2
+    m = balanced(buf)
+    assert (m["trained"], m["applied"], m["ready"], m["version"]) == (2, 0, 4, 2), m
+    again = [buf.get_batch(1, batch_id=200 + k) for k in range(2)]
+    assert [ids(b) for b in again] == [ids(batches[3]), ids(batches[4])]  # the same batches, in order
+    buf.set_version(3, trained=[200])
+    buf.set_version(4, trained=[201])
+    buf.compact()  # the snapshot keeps what is applied and not committed
+    buf.close()
+    buf = Buffer.open(tmp_path, group_size=1, max_staleness=10)
+    m = balanced(buf)
+    assert (m["trained"], m["applied"], m["ready"]) == (2, 2, 2), m
+    buf.set_version(4, restarted=True)  # a restart from the checkpoint at 4 commits both
+    assert (balanced(buf)["trained"], balanced(buf)["applied"]) == (4, 0)
+    buf.close()
+
+
+def test_tokens_of_a_version_no_trainer_reached_are_dropped_as_ahead(tmp_path: Path) -> None:
+    buf = Buffer.open(tmp_path, group_size=1, max_staleness=2)
+    buf.set_version(5)
+    buf.set_version(3, restarted=True)  # rolled back to 3: versions up to 5 were reached
+    buf.add(traj("rolled", 0, version=5))  # old weights' tokens: ordinary off-policy data
+    buf.add(traj("future", 0, version=10**9))  # junk: it would never go stale
+    assert buf.get_batch(1, batch_id=1) is not None
+    m = balanced(buf)
+    assert (m["dropped_ahead"], m["ready"]) == (1, 0) and m["delivered"] == 1, m
+    buf.close()
+    buf = Buffer.open(tmp_path, group_size=1, max_staleness=2)
+    assert balanced(buf) == m  # the decision is in the WAL: replay does not re-make it
+    buf.add(traj("next", 0, version=6))  # the engines hear of 6 before the buffer does:
+    buf.set_version(6)  # by the trainer's next request for a batch, the buffer has heard it too
+    assert ids(buf.get_batch(1, batch_id=2)) == ["next-0"]

@@ -47,7 +47,7 @@ def drain(
         if on_batch is not None:
             on_batch(len(ids))
         version += 1
-        client.set_version(version)
+        client.set_version(version, committed=version)  # as a trainer that checkpoints every step
     return ids
 
 

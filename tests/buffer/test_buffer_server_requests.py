@@ -53,7 +53,7 @@ def test_a_get_resent_across_its_answer_and_the_training_report_takes_no_new_bat
         assert recv_kinds(trainer) == [(p.BATCH, 5)]
 
         trainer.send_multipart(get)  # the resend that crossed the answer
-        trainer.send_multipart([p.VERSION, p.encode(p.SetVersion(request_id=6, version=1, trained=[5]))])
+        trainer.send_multipart([p.VERSION, p.encode(p.SetVersion(request_id=6, version=1, trained=[5], committed=1))])
         server.step(0.0)
         assert recv_kinds(trainer) == [(p.OK, 6)]
         m = server.metrics()

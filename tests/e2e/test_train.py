@@ -118,7 +118,7 @@ def test_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(tmp_path: P
     assert any("trainer died" in e for e in summary["events"]) and any("trainer restarted" in e for e in
                                                                        summary["events"])
     versions = [json.loads(line)["version"] for line in metrics_path.read_text().splitlines()]
-    assert versions[-1] == 6 and sorted(set(versions)) == list(range(1, 7))
+    assert versions == list(range(1, 7))  # a step undone by the restart leaves the record with it
     b = summary["buffer"]
     assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"]
     assert "resumed=True" in (run / "logs" / "trainer.log").read_text()

@@ -69,3 +69,15 @@ def test_bad_arguments_and_unmatched_release() -> None:
         StalenessBudget(0, 1)
     with pytest.raises(RuntimeError, match="without a matching acquire"):
         asyncio.run(StalenessBudget(1, 0).release(True))
+
+
+async def test_engines_going_back_recount_what_was_accepted() -> None:
+    # A trainer restarted from its checkpoint at 5 after reaching 10: the budget follows the engines
+    # back, with what the buffer says was accepted (trained by the checkpoint, or still to train).
+    budget = StalenessBudget(batch_size=4, max_staleness=1, version=10, accepted=44)
+    await budget.recover(5, accepted=44)  # it got back everything after 5: wait until it is trained
+    assert budget.capacity == 28 and not budget.can_start()
+    await budget.recover(5, accepted=20)  # nothing came back (no checkpoint held it): room at once
+    assert budget.can_start()
+    await budget.set_version(4)  # an answer of an engine behind the others also moves it
+    assert budget.version == 4

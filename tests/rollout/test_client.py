@@ -169,3 +169,26 @@ async def test_version_listener(engines: list[EngineProcess]) -> None:
         await client.generate([1, 2], {"max_new_tokens": 1})
     assert seen == [0]
     assert isinstance(torch.__version__, str)
+
+
+async def test_refresh_follows_the_engines_back_only_when_all_went_back(engines: list[EngineProcess]) -> None:
+    heard: list[int] = []
+    urls = [e.url for e in engines]
+
+    async def versions(*vs: str) -> None:
+        for url, v in zip(urls, vs, strict=True):
+            assert (await post(url, "/update_weight_version", {"new_version": v}))[0] == 200
+
+    try:
+        async with SGLangClient(urls) as client:
+            client.on_version(heard.append)
+            await versions("7", "7")
+            assert await client.refresh_version() == 7
+            await versions("7", "4")  # one engine behind (a publish in progress): not a rollback
+            assert await client.refresh_version() == 7
+            await versions("4", "4")  # every engine went back: a trainer restarted from a checkpoint
+            assert await client.refresh_version() == 4
+            await client.generate([1, 2], {"max_new_tokens": 1})  # answers only ever move it forward
+            assert heard == [7, 4] and client.latest_version == 4
+    finally:
+        await versions("0", "0")

@@ -46,7 +46,7 @@ async def test_full_buffer_makes_senders_wait_and_nothing_is_dropped() -> None:
             while taken < total:  # the trainer takes batches; the room lets the sender go on
                 batch = await asyncio.to_thread(client.get_batch, 1, 10.0)
                 taken += batch.num_trajectories
-                await asyncio.to_thread(client.set_version, 0)
+                await asyncio.to_thread(lambda: client.set_version(0, committed=0))  # trained and checkpointed
             await asyncio.wait_for(task, 10)
             await sender.flush(10)
             m = await asyncio.to_thread(client.metrics)
