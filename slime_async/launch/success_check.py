@@ -40,6 +40,7 @@ async def measure_success(cfg: Config, model_dir: Path | None, num_tasks: int, u
     stopped after)."""
     from transformers import AutoTokenizer
 
+    from slime_async.agents import close_shared_server
     from slime_async.data.eval_suite import EvalSuite, run_suites
     from slime_async.rollout import SGLangClient
     from slime_async.rollout.run import start_embedded_engines
@@ -59,6 +60,7 @@ async def measure_success(cfg: Config, model_dir: Path | None, num_tasks: int, u
         async with SGLangClient(urls or [e.url for e in engines]) as client:
             results = await run_suites(suites, client, tokenizer)
     finally:
+        await close_shared_server()  # an agent env's endpoint, when it started one
         for e in engines:
             e.stop()
     sampled_round, greedy_round = results["sampled"].metrics, results["greedy"].metrics

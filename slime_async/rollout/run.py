@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from slime_async.agents.server import close_shared_server
 from slime_async.config import Config
 from slime_async.env import EnvFactory, Sampling
 from slime_async.launch.local import engine_args
@@ -77,6 +78,7 @@ async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: 
             console.print()
     finally:
         await sink.close()
+        await close_shared_server()  # an agent env's endpoint, when it started one
         for e in engines:
             e.stop()
     return stats

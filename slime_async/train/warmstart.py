@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import torch
 
+from slime_async.agents.server import close_shared_server
 from slime_async.config import ConfigError
 from slime_async.config.schema import Config, EnvConfig, WarmstartConfig, WarmstartStage
 from slime_async.env import EnvFactory, ScriptedPolicy, run_episode
@@ -111,7 +112,10 @@ async def demonstrations(factory: EnvFactory, tokenizer: Any, count: int, seed: 
             return await run_episode(factory.new(), task, ScriptedPolicy(script, tokenizer), tokenizer,
                                      env_name=factory.name)
 
-    out = await asyncio.gather(*(one(t, r) for t, r in zip(chosen, replies, strict=True)))
+    try:
+        out = await asyncio.gather(*(one(t, r) for t, r in zip(chosen, replies, strict=True)))
+    finally:
+        await close_shared_server()  # an agent env demonstrates through its endpoint
     for task, traj in zip(chosen, out, strict=True):
         if traj.reward <= 0:
             raise WarmstartError(f"warmstart: the demonstration of task {task.id} ({task.prompt!r}) earns reward "

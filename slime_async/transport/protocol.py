@@ -32,6 +32,7 @@ GRANT never leaves a sender stuck or over its window.
 from __future__ import annotations
 
 import struct
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -122,13 +123,18 @@ class Ack(msgspec.Struct, kw_only=True, array_like=True):
     seqs: list[int]
 
 
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+"""Sent back as a u64 frame (clients draw 62-bit ids): a value outside would fail the answer, not the request."""
+Version = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class GetBatch(msgspec.Struct, kw_only=True):
     """The trainer asks for at least `num_trajectories` trajectories, in whole groups."""
 
-    request_id: int
+    request_id: RequestId
     """Chosen by the client; a resent request with the same id gets the same batch, never a second one."""
-    num_trajectories: int
-    timeout_s: float
+    num_trajectories: Annotated[int, msgspec.Meta(ge=1)]
+    timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
     """How long the server may wait for enough ready groups before answering TIMEOUT."""
 
 
@@ -157,17 +163,17 @@ class BatchHeader(msgspec.Struct, kw_only=True):
 class SetVersion(msgspec.Struct, kw_only=True):
     """The trainer's version moved (or the trainer restarted), and which batches it has trained."""
 
-    request_id: int
-    version: int
-    trained: list[int] = []
+    request_id: RequestId
+    version: Version
+    trained: list[RequestId] = []
     """Batch ids the trainer has trained on; they leave the buffer (and, at compaction, the WAL)."""
-    returned: list[int] = []
+    returned: list[RequestId] = []
     """Batch ids that reached the client after it stopped waiting for them (a late answer): never
     trained, so they go back to the front of the buffer."""
     restarted: bool = False
     """The trainer restarted from the checkpoint at `version`: batches handed out and not trained by
     then (applied after that checkpoint, or never reported) go back to be handed out again."""
-    committed: int | None = None
+    committed: Version | None = None
     """A checkpoint holds every step up to this version: the batches applied so far are trained
     for good (until then a restart from an older checkpoint trains them again)."""
 

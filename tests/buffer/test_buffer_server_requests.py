@@ -7,6 +7,7 @@ returns, so what one `step()` sees together is exact, not a matter of timing.
 
 from __future__ import annotations
 
+import msgspec
 import zmq
 from sender_main import make
 
@@ -64,6 +65,38 @@ def test_a_get_resent_across_its_answer_and_the_training_report_takes_no_new_bat
         assert recv_kinds(trainer) == [] and server.metrics()["ready"] == 2
     finally:
         sender.close()
+        trainer.close()
+        server.close()
+        ctx.term()
+
+
+def test_malformed_trainer_requests_are_rejected_and_the_server_goes_on() -> None:
+    # Each of these once stopped the server (exit 1): a GET for 0 trajectories, or a request id
+    # that cannot go back as a u64. Now the wire schema refuses them, counted, and it goes on.
+    ctx = zmq.Context()
+    settings = ServerSettings(buffer=BufferConfig(endpoint="inproc://buffer-bad-requests"), group_size=1,
+                              max_staleness=100)
+    server = BufferServer(settings, context=ctx)
+    trainer = dealer(ctx, server.endpoint)
+    bad = [
+        [p.GET, msgspec.msgpack.encode({"request_id": 1, "num_trajectories": 0, "timeout_s": 1.0})],
+        [p.GET, msgspec.msgpack.encode({"request_id": -1, "num_trajectories": 1, "timeout_s": 1.0})],
+        [p.GET, msgspec.msgpack.encode({"request_id": 2**63, "num_trajectories": 1, "timeout_s": 1.0})],
+        [p.GET, msgspec.msgpack.encode({"request_id": 3, "num_trajectories": 1, "timeout_s": -5.0})],
+        [p.VERSION, msgspec.msgpack.encode({"request_id": -1, "version": 1})],
+        [p.VERSION, msgspec.msgpack.encode({"request_id": 4, "version": -3})],
+        [p.VERSION, msgspec.msgpack.encode({"request_id": 5, "version": 1, "trained": [-1]})],
+    ]
+    try:
+        for msg in bad:
+            trainer.send_multipart(msg)
+            server.step(0.0)
+        m = server.metrics()
+        assert m["rejected_bad_message"] == len(bad) and m["version"] == 0, m
+        trainer.send_multipart([p.VERSION, p.encode(p.SetVersion(request_id=6, version=2))])
+        server.step(0.0)
+        assert recv_kinds(trainer) == [(p.OK, 6)] and server.metrics()["version"] == 2  # still serving
+    finally:
         trainer.close()
         server.close()
         ctx.term()
