@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from envs.calculator import demo_replies
 from slime_async.agents import AgentEnv, close_shared_server, shared_server
-from slime_async.env import EnvFactory, EnvLoadError, Limits, Sampling, ScriptedPolicy, run_episode
+from slime_async.env import EnvFactory, EnvLoadError, Limits, Sampling, ScriptedPolicy, reward, run_episode
 from slime_async.types import StopReason, Task, Trajectory
 
 
@@ -250,3 +250,22 @@ async def test_sampling_fields_reach_the_policy(tokenizer: Any) -> None:
     assert msgspec.structs.asdict(seen[0]) == {**msgspec.structs.asdict(Sampling()), "temperature": 0.3, "top_p": 0.5,
                                                "max_new_tokens": 7, "stop": ["x"], "sampling_seed": 11}
     assert json.loads(json.dumps(seen[0].to_sglang()))["stop"] == ["x"]
+
+
+class VerifiedAgentEnv(AgentEnv):
+    """An agent env whose own verifier scores the final answer, beside what the agent returns."""
+
+    @reward(inline=True)
+    def says_answer(self, completion: str, answer: Any, messages: list) -> float:
+        return float(completion == f"The answer is {answer}." and messages[-2].role == "tool")
+
+
+async def test_the_envs_own_rewards_score_the_agents_final_reply(tokenizer: Any) -> None:
+    task = Task(id="c", prompt="What is 12*34+5?", answer=413, metadata={})
+    replies = demo_replies(Task(id="c", prompt="", answer=413, metadata={"steps": ["12*34+5"]}))
+    env = VerifiedAgentEnv(VerifiedAgentEnv.Args(agent="blackbox_agents:openai_calculator"))
+    try:
+        traj = await run_episode(env, task, ScriptedPolicy(replies, tokenizer), tokenizer)
+    finally:
+        await close_shared_server()
+    assert traj.rewards == {"says_answer": 1.0, "agent": 1.0} and traj.reward == 2.0
