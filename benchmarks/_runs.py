@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from benchmarks import Result
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,3 +41,20 @@ def crossing_s(summary: dict[str, Any], key: str, goal: float) -> float | None:
         if line.get(key, 0.0) >= goal:
             return line["time"] - t0
     return None
+
+
+def timed_gain(config: str, name: str, minutes: float, what: str, goal_points: float) -> Result:
+    """One run of `config` with RL bounded to `minutes`: held-out success before and after, and its gain
+    in points against `goal_points` (the headline says `what` gained)."""
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        s = run_training(config, name, Path(tmp), [f"train.time_limit_s={minutes * 60}", "train.steps=100000"])
+    before, after = s["success_before"], s["success_after"]
+    gain = 100 * (after["sampled"] - before["sampled"])
+    return Result(
+        columns=["before sampled", "before greedy", "after sampled", "after greedy", "steps", "RL s"],
+        rows=[[before["sampled"], before["greedy"], after["sampled"], after["greedy"], s["steps"], s["rl_s"]]],
+        headline=f"{what}, held-out sampled success after {minutes:.0f} min of RL: {before['sampled']:.1%} -> "
+                 f"{after['sampled']:.1%}, {gain:+.1f} points (goal +{goal_points:.0f})",
+        details={"run": {k: v for k, v in s.items() if k != "records"} | {"curve": [
+            (r["version"], r["time"], r.get("reward_mean")) for r in s["records"]]}},
+    )

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 from slime_async.agents.server import shared_server
-from slime_async.env import Env, EnvArgs
+from slime_async.env import Env, EnvArgs, EnvLoadError
 from slime_async.env.driven import DrivenEpisode
+from slime_async.env.loading import import_named
 
 Agent = Callable[[Any, str, str], Any]
 
@@ -68,20 +68,12 @@ class AgentEnv(Env):
 
 @functools.cache
 def load_agent(name: str) -> Agent:
-    """Import `module:function`; the error names the setting and what is wrong."""
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"agent: {name!r} is not 'module:function' (e.g. 'envs.calculator_agent:run')")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"agent: cannot import module {module_name!r}: {exc} (is its directory on the "
-                         "import path? PYTHONPATH, or the run's working directory)") from None
-    fn = getattr(module, attr, None)
+    """Import `module:function` and check that it takes (task, base_url, api_key)."""
+    fn = import_named(name, "agent", "envs.calculator_agent:run", "function")
     if not callable(fn):
-        raise ValueError(f"agent: module {module_name!r} has no function {attr!r}")
+        raise EnvLoadError(f"agent: {name} is not a function")
     try:
         inspect.signature(fn).bind(None, "", "")
     except TypeError:
-        raise ValueError(f"agent: {name} must take (task, base_url, api_key)") from None
+        raise EnvLoadError(f"agent: {name} must take (task, base_url, api_key)") from None
     return fn

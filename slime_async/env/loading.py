@@ -55,18 +55,25 @@ class EnvFactory:
         return await run_episode(self.new(), task, policy, tokenizer, env_name=self.name, **kwargs)
 
 
-def load_env_class(name: str) -> type[Env]:
-    """Import `module:Class` and check that it is an Env subclass."""
+def import_named(name: str, setting: str, example: str, kind: str = "name") -> Any:
+    """The object `module:<kind>` names; EnvLoadError names the setting and what is wrong."""
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
-        raise EnvLoadError(f"env.name: {name!r} is not 'module:Class' (e.g. 'envs.calculator:CalculatorEnv')")
+        raise EnvLoadError(f"{setting}: {name!r} is not 'module:{kind}' (e.g. {example!r})")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise EnvLoadError(f"env.name: cannot import module {module_name!r}: {exc}") from None
+        raise EnvLoadError(f"{setting}: cannot import module {module_name!r}: {exc} (a module of yours: run "
+                           "from its directory, or put that directory on PYTHONPATH)") from None
     obj = getattr(module, attr, None)
     if obj is None:
-        raise EnvLoadError(f"env.name: module {module_name!r} has no {attr!r}")
+        raise EnvLoadError(f"{setting}: module {module_name!r} has no {attr!r}")
+    return obj
+
+
+def load_env_class(name: str) -> type[Env]:
+    """Import `module:Class` and check that it is an Env subclass."""
+    obj = import_named(name, "env.name", "envs.calculator:CalculatorEnv", "Class")
     if not (isinstance(obj, type) and issubclass(obj, Env)):
         raise EnvLoadError(f"env.name: {name} is not a subclass of slime_async.env.Env")
     return obj

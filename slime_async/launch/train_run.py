@@ -30,7 +30,7 @@ from slime_async.config.model_dir import resolve_model_path
 from slime_async.launch.local import LocalLauncher
 from slime_async.launch.success_check import Success, check_success, measure_success
 from slime_async.train.metrics_log import check_log_config
-from slime_async.train.run_log import append_event, read_events
+from slime_async.train.run_log import append_event, read_events, read_jsonl
 
 
 def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool) -> tuple[Path, Path]:
@@ -45,18 +45,6 @@ def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool) -> tuple[Path, P
     config_path = run_dir / "config.yaml"
     config_path.write_text(to_yaml(cfg))
     return run_dir, config_path
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written
-    return out
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: Console | None = None,
@@ -112,8 +100,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
                 after = asyncio.run(measure_success(cfg, None, cfg.warmstart.check_tasks, urls=launcher.engine_urls))
     finally:
         launcher.shutdown()
-    records = read_metrics(metrics_path)
-    evals = read_metrics(run_dir / "eval.jsonl")
+    records = read_jsonl(metrics_path)
+    evals = read_jsonl(run_dir / "eval.jsonl")
     summary = {"steps": len(records), "wall_s": time.monotonic() - started, "rl_s": rl_s, "warmstart": warm,
                "success_before": asdict(before) if before else None,
                "success_after": asdict(after) if after else None, "parts": parts,
@@ -228,7 +216,7 @@ def rollout_stats(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _view(cfg: Config, run_dir: Path, started: float) -> Table:
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
     table = Table(title=f"slime-async train: {cfg.run.name}", show_header=False)
     last = records[-1] if records else {}
     table.add_row("step", f"{last.get('version', 0)} / {cfg.train.steps}")
@@ -250,7 +238,7 @@ def _view(cfg: Config, run_dir: Path, started: float) -> Table:
     hint = stall_hint(last.get("time"), now - (time.monotonic() - started), now, workers)
     if hint:
         table.add_row("[yellow]stalled[/]", f"[yellow]{hint}[/]")
-    evals = read_metrics(run_dir / "eval.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
     if evals:
         scores = ", ".join(f"{k.split('/')[1]} {v:.1%}" for k, v in evals[-1].items() if k.endswith("/pass@1"))
         table.add_row("held-out eval", f"{scores} at version {evals[-1]['version']}")

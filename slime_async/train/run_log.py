@@ -32,8 +32,8 @@ def append_event(run_dir: Path, message: str, **fields: Any) -> None:
         os.close(fd)
 
 
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / EVENTS
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file ([] when there is none), without a line being written or cut."""
     if not path.exists():
         return []
     out = []
@@ -41,8 +41,12 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
-            continue  # a line cut by a crash
+            continue
     return out
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(run_dir / EVENTS)
 
 
 def roll_back_metrics(path: Path, version: int) -> int | None:

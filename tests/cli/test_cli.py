@@ -54,7 +54,7 @@ def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
         (["serve", "--host", "0.0.0.0"], "--host 0.0.0.0 is not loopback: give --admin-token"),
         (["rollout", "configs/local.yaml", "--split", "dev"], "--split: got 'dev'; expected 'train' or 'eval'"),
         (["rollout", "configs/local.yaml", "env.name=envs.nope:X"], "env.name: cannot import module 'envs.nope'"),
-        (["bench", "nope"], "unknown benchmark 'nope'; available: async_vs_sync, codec"),
+        (["bench", "nope"], "unknown benchmark 'nope'; available: agent_endpoint, async_vs_sync"),
         (["init-model", "x", "--preset", "huge"], "--preset: got 'huge'; expected one of 'tiny'"),
     ],
 )
