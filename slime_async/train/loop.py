@@ -180,9 +180,8 @@ class Trainer:
         self.counters: Counter[str] = Counter()
         """trajectories_trained, skipped:<reason> (trajectories; `step_not_applied` when the batch's step was
         skipped), truncated, masked_truncated and unmasked_truncated (`build_batch`), empty_batches,
-        skipped_steps, publish_failures, engines_reconciled (engines found behind and brought up to date)."""
-        self.checkpoint_s = 0.0
-        """Seconds spent writing checkpoints (the price of losing few steps in a crash)."""
+        skipped_steps, publish_failures, engines_reconciled (engines found behind and brought up to date),
+        checkpoints (saved, each followed by a commit to the source)."""
         self._stop = asyncio.Event()
 
     # --- resume -------------------------------------------------------------------------
@@ -260,10 +259,9 @@ class Trainer:
             await self._checkpoint()
 
     async def _checkpoint(self) -> None:
-        t = time.perf_counter()
+        """Save, then tell the source that what the steps so far trained on is trained for good."""
         await asyncio.to_thread(self.save)
         self.counters["checkpoints"] += 1
-        self.checkpoint_s += time.perf_counter() - t
         self.source.commit(self.version)
 
     async def _decide(self, target: int, deadline: float) -> Stop:
