@@ -12,6 +12,7 @@ that spans an update reports SGLang's `weight_versions` spans exactly.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -27,6 +28,11 @@ from slime_async.engine.model import SlotModel
 from slime_async.engine.protocol import SamplingParams
 from slime_async.engine.sampling import sample
 from slime_async.engine.weights import InPlaceCopier
+
+log = logging.getLogger(__name__)
+
+SAMPLING_EPS = 1e-6
+"""SGLang's `_SAMPLING_EPS`: a temperature below it samples greedily."""
 
 
 @dataclass
@@ -94,6 +100,8 @@ class Engine:
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
+        self.errors = 0
+        """Steps that failed (their requests were aborted with the error; the loop went on)."""
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -109,6 +117,11 @@ class Engine:
         self._commands.put((fn, future, loop))
         self._wake.set()
         return future
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread runs (`/health` says 503 otherwise)."""
+        return self._thread.is_alive()
 
     def shutdown(self) -> None:
         self._stop = True
@@ -128,11 +141,13 @@ class Engine:
                 self._admit()
                 if self.running:
                     self._decode()
-            except Exception as exc:  # a bug must not leave clients waiting forever
+            except Exception as exc:  # no request may stop the loop: what it held is aborted, it goes on
+                log.exception("engine step failed; aborting the %d requests it held", len(self.running) +
+                              len(self.waiting))
                 for seq in [*self.running, *self.waiting]:
                     self._finish(seq, {"type": "abort", "message": f"engine error: {exc!r}"})
                 self.waiting.clear()
-                raise
+                self.errors += 1
 
     def _run_commands(self) -> None:
         while True:
@@ -177,12 +192,15 @@ class Engine:
 
     def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> None:
         params = [s.params for s in batch]
-        # per-row parameters stay on the CPU: `sample` reads its branch flags there (no device sync)
+        vocab = logits.shape[-1]
+        # per-row parameters stay on the CPU: `sample` reads its branch flags there (no device sync).
+        # As SGLang does: a temperature under 1e-6 is greedy (1e-45 would divide the logits into
+        # infinities), and a top_k past the vocabulary is no top-k (it would not fit a tensor).
         tokens, logprobs = sample(
             logits,
-            torch.tensor([p.temperature for p in params]),
+            torch.tensor([p.temperature if p.temperature >= SAMPLING_EPS else 0.0 for p in params]),
             torch.tensor([p.top_p for p in params]),
-            torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.top_k if p.top_k < vocab else -1 for p in params]),
             torch.tensor([p.min_p for p in params]),
             self.generator,
         )

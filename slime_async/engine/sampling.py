@@ -22,7 +22,8 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and logprobs for rows of `logits` [B, V]; per-row parameters are 1-D tensors of B.
 
-    temperature 0 is greedy; top_k <= 0 disables top-k; top_p 1 and min_p 0 disable theirs.
+    temperature 0 is greedy; top_k <= 0 (or >= the vocabulary) disables top-k; top_p 1 and min_p 0
+    disable theirs. A row whose logits are not finite gets its argmax, and a NaN logprob that says so.
     The parameters may live on the CPU while `logits` is on a GPU: which branches run is decided
     from them, so keeping them on the CPU avoids a device sync per decision.
     """
@@ -41,7 +42,11 @@ def sample(
         probs = logprobs.exp()
         if needs_filter:
             probs = _filter(probs, top_p.to(device), top_k.to(device), min_p.to(device))
-        tokens = torch.where(greedy, tokens, _inverse_cdf(probs, generator))
+        # Non-finite logits (NaN weights, an overflow) leave a row nothing to draw from: it takes the
+        # argmax instead of an index past the vocabulary, decided on the device (no sync).
+        probs = torch.nan_to_num(probs, nan=0.0, posinf=0.0, neginf=0.0)
+        drawable = probs.sum(dim=-1) > 0
+        tokens = torch.where(greedy | ~drawable, tokens, _inverse_cdf(probs, generator).clamp_(max=vocab - 1))
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 

@@ -87,6 +87,8 @@ class EngineServer:
         return error(503, f"weight version {self.engine.weight_version!r}: waiting for the trainer's weights")
 
     async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.alive:  # it would never answer a /generate again
+            return web.Response(status=503, text="the engine's loop has stopped")
         return self._awaiting_weights() or web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:

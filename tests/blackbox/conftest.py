@@ -65,7 +65,7 @@ def tool_model_dir(tiny_model_dir: Path, calc_tasks: list[Task], tmp_path_factor
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tool_engine(tool_model_dir: Path) -> Iterator[EngineProcess]:
     proc = start_engine(tool_model_dir, "--max-batch-size", "16", "--context-length", "1024")
     try:
