@@ -19,6 +19,7 @@ from trajectories import make_trajectories
 from slime_async.config.schema import MegatronConfig, TrainConfig
 from slime_async.sync import megatron_names as names
 from slime_async.train.batch import build_batch
+from slime_async.train.distributed import close_distributed
 from slime_async.train.megatron.backend import MegatronBackend
 from slime_async.train.megatron.weights import _gather_tp, global_names
 from slime_async.train.objective import Objective
@@ -45,6 +46,10 @@ def main(model_dir: str, out: str, tp: int) -> None:
         torch.save({"logprobs": lp.logprobs, "entropy": lp.entropy, "loss": result.loss, "applied": result.applied,
                     "grad_norm": result.grad_norm, "grads": grads, "before": before, "after": after,
                     "layout": (be.layout.tp, be.layout.dp)}, out)
+    # Tear gloo down here, both ranks done: left to the interpreter's exit, its threads died in C++
+    # static destructors ("terminate called without an active exception"): once in three full runs.
+    torch.distributed.barrier()
+    close_distributed()
 
 
 if __name__ == "__main__":
