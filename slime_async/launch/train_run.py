@@ -183,8 +183,7 @@ def episode_books(workers: list[dict[str, Any]], b: dict[str, int]) -> str:
     the rollout (by reason) + lost in flight when a worker died + in flight (+ sent but not acked when
     a worker died)`. Checked exactly when no worker died; a killed worker's counts are those of its last
     report (every 2 s), so after a death the line says so instead."""
-    totals = [w.get("totals") or {"started": w["episodes"] + w["in_flight"], "sent": w["sent"],
-                                  "dropped": w["dropped"], "lost_in_flight": 0} for w in workers]
+    totals = [w["totals"] for w in workers]
     started = sum(t["started"] for t in totals)
     dropped: dict[str, int] = {}
     for t in totals:
@@ -197,7 +196,7 @@ def episode_books(workers: list[dict[str, Any]], b: dict[str, int]) -> str:
     text = (f"started {started} = to the buffer {b.get('received', 0)} + dropped by the rollout "
             f"{sum(dropped.values())}" + (f" ({by_reason})" if by_reason else "") +
             f" + lost in flight with a dead worker {lost} + in flight {in_flight}")
-    if lost > 0 or any(t.get("lives", 1) > 1 for t in totals):  # restarted, or the run resumed
+    if lost > 0 or any(t["lives"] > 1 for t in totals):  # restarted, or the run resumed
         return text + f" (a killed worker's counts are from its last report: {unacked:+d} between sent and received)"
     if unacked or started != b.get("received", 0) + sum(dropped.values()) + in_flight:
         text += " [red]DOES NOT ADD UP[/]"

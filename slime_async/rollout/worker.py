@@ -33,17 +33,19 @@ from slime_async.rollout.sinks import BufferSink
 log = logging.getLogger("slime_async.rollout.worker")
 
 
+NO_TOTALS: dict[str, Any] = {"started": 0, "sent": 0, "dropped": {}, "lost_in_flight": 0, "lives": 0}
+"""A worker's books before its first life."""
+
+
 def earlier_totals(path: Path) -> dict[str, Any]:
     """The books of this worker's earlier lives in the run (it was restarted, or the run resumed):
     what they started, sent and dropped, and the episodes still in flight at their last report, lost
     with them when they died (0 after a clean stop)."""
     try:
         last = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {"started": 0, "sent": 0, "dropped": {}, "lost_in_flight": 0, "lives": 0}
-    totals = last.get("totals") or {"started": last.get("episodes", 0) + last.get("in_flight", 0),
-                                    "sent": last.get("sent", 0), "dropped": last.get("dropped", {}),
-                                    "lost_in_flight": 0, "lives": 1}
+        totals = last["totals"]
+    except (OSError, json.JSONDecodeError, KeyError):
+        return NO_TOTALS
     return {**totals, "lost_in_flight": totals["lost_in_flight"] + last.get("in_flight", 0)}
 
 
@@ -53,12 +55,12 @@ def write_stats(scheduler: Scheduler, path: Path, earlier: dict[str, Any] | None
     tmp = path.with_suffix(".tmp")
     st = scheduler.stats
     recent = st.rewards[-256:]
-    e = earlier or {"started": 0, "sent": 0, "dropped": {}, "lost_in_flight": 0, "lives": 0}
+    e = earlier or NO_TOTALS
     dropped = dict(e["dropped"])
     for reason, n in st.dropped.items():
         dropped[reason] = dropped.get(reason, 0) + n
     totals = {"started": e["started"] + st.started, "sent": e["sent"] + st.sent, "dropped": dropped,
-              "lost_in_flight": e["lost_in_flight"], "lives": e.get("lives", 0) + 1}
+              "lost_in_flight": e["lost_in_flight"], "lives": e["lives"] + 1}
     tmp.write_text(json.dumps({**st.summary(), "in_flight": st.started - st.finished, "time": time.time(),
                                "recent_reward": sum(recent) / len(recent) if recent else None, "totals": totals}))
     tmp.replace(path)

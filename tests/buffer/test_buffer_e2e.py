@@ -188,3 +188,26 @@ def test_a_storm_of_signals_stops_the_server() -> None:
             raise AssertionError("the buffer server did not stop after SIGTERM/SIGINT") from None
         # 0, or a signal of the storm that came after the interpreter, exiting, gave up its handlers
         assert code in (0, -signal.SIGTERM, -signal.SIGINT), proc.tail()
+
+
+def test_a_starting_rollout_worker_counts_what_the_run_accepted(tmp_path: Path) -> None:
+    # A resumed run's worker once started from accepted = 0: at version 10 with B = 4 and eta = 1 the
+    # rule then admitted 48 where it allows 8. It asks the buffer: trained (committed) + buffered.
+    from slime_async.rollout.worker import accepted_so_far
+
+    server, endpoint = start_server(settings("tcp://127.0.0.1:0", tmp_path / "wal", max_staleness=2))
+    old = start_sender(endpoint, "old", 8, GROUP, "--version", "0")
+    new = start_sender(endpoint, "new", 32, GROUP, "--version", "3")
+    try:
+        for s in (old, new):
+            s.wait_for(s.done, 30, "the sender to finish")
+        with BufferClient(endpoint, retry_s=0.2) as client:
+            client.set_version(3, restarted=True)  # the 8 old ones are stale now: dropped, not accepted
+            drain(client, 16, 16, 30, version=3)  # 16 trained (and committed); 16 still buffered
+            m = client.metrics()
+        assert (m["trained"], m["buffered"], m["dropped_stale"]) == (16, 16, 8), m
+        assert accepted_so_far(endpoint, None) == 32
+    finally:
+        for p in (old, new, server):
+            p.stop()
+    assert accepted_so_far(endpoint, None) is None  # no buffer: said, and the worker starts from 0
