@@ -39,17 +39,20 @@ def _free_port() -> int:
 
 def init_weight_update_group(
     backend: str, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-    timeout: datetime.timedelta,
+    timeout: datetime.timedelta, abandoned: threading.Event | None = None,
 ) -> Any:
     """A process group outside the default one, formed the way SGLang's receiving side forms it
     (`tcp://` rendezvous, rank 0 hosting the store, keys under `group_name`), so both sides meet.
 
-    Used by the trainer (rank 0) here, and by the receiving side of the gloo test.
+    Used by the trainer (rank 0) here, and by the receiving side of the gloo test. Returns None
+    if `abandoned` is set when the rendezvous ends (an engine refused: no group is formed).
     """
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
     store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
                                               timeout=timeout))
+    if abandoned is not None and abandoned.is_set():
+        return None
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, timeout=timeout)
@@ -67,6 +70,7 @@ class NcclBroadcaster:
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self._lock = asyncio.Lock()
         self._broadcast_lock = asyncio.Lock()
+        self._abandoned = threading.Event()
 
     @staticmethod
     def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future:
@@ -93,7 +97,21 @@ class NcclBroadcaster:
 
     def _form_group(self, port: int, world_size: int) -> Any:
         return init_weight_update_group(self.backend, self.cfg.nccl_master_address, port, 0, world_size,
-                                        GROUP_NAME, datetime.timedelta(seconds=self.cfg.timeout_s))
+                                        GROUP_NAME, datetime.timedelta(seconds=self.cfg.timeout_s),
+                                        abandoned=self._abandoned)
+
+    def _abandon(self, port: int, world_size: int) -> None:
+        """An engine refused to join: end the trainer's rendezvous now rather than at its timeout.
+
+        The rendezvous thread waits inside torch's C++ (the store counts its ranks); a process that
+        exits while a thread waits there aborts (CI's pytest did, once). Stand-in clients make up the
+        count (the store waits for at least the world size), and the thread, seeing `_abandoned`,
+        forms no group."""
+        self._abandoned.set()
+        timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
+        with contextlib.suppress(Exception):  # the thread may already have given up: nothing to end
+            for _ in range(world_size - 1):
+                dist.TCPStore(self.cfg.nccl_master_address, port, world_size, False, timeout)
 
     async def _ensure_group(self) -> None:
         async with self._lock:
@@ -102,6 +120,7 @@ class NcclBroadcaster:
             urls = self.publisher.urls
             port = self.cfg.nccl_master_port or _free_port()
             world = 1 + len(urls)
+            self._abandoned.clear()
             forming = self._in_daemon_thread(self._form_group, port, world)
             inits = [asyncio.ensure_future(self.publisher._post(u, "/init_weights_update_group", {
                 "master_address": self.cfg.nccl_master_address, "master_port": port, "rank_offset": 1 + i,
@@ -113,7 +132,9 @@ class NcclBroadcaster:
             except BaseException:
                 for t in inits:
                     t.cancel()
-                forming.cancel()  # the thread itself ends at the store's timeout
+                await asyncio.to_thread(self._abandon, port, world)
+                with contextlib.suppress(Exception):
+                    await forming  # returns at once now; no thread is left inside torch
                 raise
             self.group = await forming
 
