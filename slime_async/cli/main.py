@@ -140,9 +140,9 @@ def serve(
 ) -> None:
     """Start the embedded inference engine (SGLang's HTTP API) on one model."""
     from slime_async.config.model_dir import resolve_model_path
+    from slime_async.config.schema import is_loopback_host as is_loopback
     from slime_async.engine.launch import load_engine
     from slime_async.engine.launch import serve as serve_engine
-    from slime_async.engine.server import is_loopback
 
     if not is_loopback(host) and not admin_token:
         fail(f"--host {host} is not loopback: give --admin-token so that the weight and pause endpoints are guarded")

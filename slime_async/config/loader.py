@@ -152,8 +152,10 @@ def _explain(exc: msgspec.ValidationError, raw: Any, tp: Any, where: Any) -> Con
     keys = tuple(str(p) for p in parts if isinstance(p, str))
     dotted = "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in parts).lstrip(".")
     value = _lookup(raw, parts)
+    if not parts:  # a check across sections (`Config.__post_init__`): its message names the fields
+        return ConfigError(f"{where(keys)}: {message}")
     expected = _describe(message, _field_type(tp, keys))
-    return ConfigError(f"{where(keys)}: {dotted or 'config'}: got {value!r}; expected {expected}")
+    return ConfigError(f"{where(keys)}: {dotted}: got {value!r}; expected {expected}")
 
 
 def _describe(message: str, field_type: Any) -> str:

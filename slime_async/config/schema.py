@@ -7,11 +7,22 @@ to a default.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from slime_async.config.sglang import SGLangConfig
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -68,9 +79,10 @@ class RouterConfig(_Section):
 
 
 class EngineConfig(_Section):
-    kind: Literal["embedded", "sglang"] = "embedded"
+    kind: Literal["embedded", "sglang", "vllm"] = "embedded"
     """`embedded`: slime_async's own server speaking SGLang's API (CPU or one GPU).
-    `sglang`: real SGLang servers, launched or attached through `urls`."""
+    `sglang`: real SGLang servers, launched or attached through `urls`.
+    `vllm`: real vLLM servers (`vllm:` section; `make vllm` installs it), launched or attached."""
     urls: list[str] = []
     """Attach to servers already running at these URLs instead of launching any."""
     num_engines: PositiveInt = 1
@@ -85,6 +97,19 @@ class EngineConfig(_Section):
     """Token required by weight-update, pause and flush endpoints off loopback."""
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     """sglang-router in front of the engines (either kind)."""
+
+
+class VLLMConfig(_Section):
+    """vLLM servers for `engine.kind: vllm` (vLLM >= 0.32, CPU or GPU build)."""
+
+    python: str | None = None
+    """The interpreter of vLLM's own virtualenv. None: `$SLIME_ASYNC_VLLM_PYTHON`, else
+    `.venv-vllm/bin/python` of the current directory (what `make vllm` makes)."""
+    args: dict[str, Any] = {}
+    """vLLM's own server arguments by their long name without dashes (`max_model_len: 1024`,
+    `gpu_memory_utilization: 0.05`; `true` passes a bare switch). The launcher checks them with the
+    installed vLLM's own parser before starting it. It sets the model, host, port, seed, dtype,
+    `max_num_seqs` (engine.max_batch_size), `enable_scale_out` and `logprobs_mode` itself."""
 
 
 class EnvConfig(_Section):
@@ -520,3 +545,19 @@ class Config(_Section):
     launch: LaunchConfig = msgspec.field(default_factory=LaunchConfig)
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)  # type: ignore[valid-type]
     """SGLang's ServerArgs fields for `engine.kind: sglang` (see `config.sglang`)."""
+    vllm: VLLMConfig = msgspec.field(default_factory=VLLMConfig)
+    """vLLM's server and its arguments for `engine.kind: vllm`."""
+
+    def __post_init__(self) -> None:
+        if self.engine.kind == "vllm":
+            if self.sync.mode != "disk":
+                raise ValueError(f"sync.mode: {self.sync.mode} does not reach vLLM engines here (vLLM's own "
+                                 "weight transfer is CUDA IPC or NCCL); engine.kind vllm takes sync.mode: disk")
+            if self.sync.release_memory:
+                raise ValueError("sync.release_memory: not supported with engine.kind vllm")
+            if self.engine.router.enabled:
+                raise ValueError("engine.router.enabled: sglang-router speaks SGLang's API, not vLLM's; "
+                                 "the rollout client balances vLLM engines itself (give several engines)")
+            if not is_loopback_host(self.engine.host) and not self.engine.urls:
+                raise ValueError(f"engine.host: {self.engine.host}: vLLM's weight-update routes (dev mode) take "
+                                 "no token, so slime_async launches vLLM on loopback only")

@@ -28,8 +28,8 @@ from slime_async.config import Config, load_config
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.data.eval_suite import EvalSuite, run_suites, suites_from_config
 from slime_async.data.remote_reward import close_shared_remote_rewards
-from slime_async.rollout import SGLangClient
 from slime_async.rollout.throttle import Throttled
+from slime_async.rollout.vllm_client import engine_client
 from slime_async.train.metrics_log import MetricsLog
 
 log = logging.getLogger("slime_async.data.eval_worker")
@@ -43,14 +43,16 @@ def next_due(version: int, every: int) -> int:
 _WARN = Throttled(log, every_s=60.0)
 
 
-async def engine_version(session: aiohttp.ClientSession, urls: list[str]) -> int | None:
+async def engine_version(session: aiohttp.ClientSession, urls: list[str], path: str = "/get_model_info"
+                         ) -> int | None:
     """The lowest weight version the engines report (the policy every engine serves), or None
     when none answers. A replacement engine says `pending` until the trainer brings it up to date:
-    not a version yet, and not worth a warning."""
+    not a version yet, and not worth a warning. `path`: the engine's version route (vLLM's is
+    `/weight_info`)."""
     versions = []
     for url in urls:
         try:
-            async with session.get(url.rstrip("/") + "/get_model_info", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            async with session.get(url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
                 version = str((await r.json())["weight_version"])
         except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
             _WARN.warning(f"{url} {type(exc).__name__}", "version of %s unknown: %s", url, exc)
@@ -69,9 +71,10 @@ async def eval_rounds(cfg: Config, suites: list[EvalSuite], engines: list[str], 
     due = 0
     rounds = 0
     log_out = MetricsLog(out, cfg.log, out.parent, cfg.run.name, writer_name="eval")
-    async with aiohttp.ClientSession() as session, SGLangClient(engines, admin_token=cfg.engine.admin_token) as client:
+    async with aiohttp.ClientSession() as session, engine_client(cfg.engine.kind, engines,
+                                                                  admin_token=cfg.engine.admin_token) as client:
         while not stop.is_set():
-            version = await engine_version(session, engines)
+            version = await engine_version(session, engines, client.VERSION)
             if version is not None and (once or (every > 0 and version >= due)):
                 job = asyncio.ensure_future(run_suites(suites, client, tokenizer))
                 stopper = asyncio.ensure_future(stop.wait())

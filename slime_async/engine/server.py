@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import ipaddress
 import json
 import time
 import uuid
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from slime_async.config.schema import is_loopback_host as is_loopback
 from slime_async.engine import protocol as p
 from slime_async.engine.core import Engine, Sequence, version_spans
 from slime_async.engine.weights import decode_named_tensors, read_checkpoint
@@ -371,12 +371,3 @@ def _device_gib() -> float | None:
 def _set(future: asyncio.Future, seq: Sequence) -> None:
     if not future.done():
         future.set_result(seq)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -31,6 +31,7 @@ from slime_async.config.model_dir import resolve_model_path
 from slime_async.launch.health import wait_healthy
 from slime_async.launch.process import start_process
 from slime_async.launch.sglang_command import preflight, router_argv, sglang_argv
+from slime_async.launch.vllm_command import set_vllm_version, vllm_argv
 from slime_async.train.run_log import append_event
 
 HOST, PORT, CONFIG = "@HOST@", "@PORT@", "@CONFIG@"
@@ -206,6 +207,10 @@ class LocalLauncher:
                 argv = sglang_argv(c, model_path=str(self.model_dir), host=HOST, port=PORT, index=i,
                                    weight_version=version, release_memory=bool(c.sync.release_memory))
                 child = self.spawn(f"engine-{i}", argv, None, health_url=f"http://{HOST}:{PORT}", port=port[0])
+            elif c.engine.kind == "vllm":
+                argv = vllm_argv(c, model_path=str(self.model_dir), host=HOST, port=PORT, index=i)
+                child = self.spawn(f"engine-{i}", argv, None, health_url=f"http://{HOST}:{PORT}", port=port[0])
+                set_vllm_version(child.url, version)  # vLLM starts at "default"; it has no flag for it
             else:
                 args = engine_args(c, i)
                 args[args.index("--host") + 1] = HOST  # the address of the node it runs on

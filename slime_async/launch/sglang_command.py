@@ -87,10 +87,14 @@ def check_with_sglang(argv: list[str]) -> None:
 
 
 def preflight(argv: list[str]) -> None:
-    """Before an SGLang server starts: parse its command with the installed SGLang's own parser, where
-    SGLang is importable (on the node that runs it). Other commands pass untouched."""
+    """Before an engine server starts: parse its command with the installed SGLang's own parser, where
+    SGLang is importable (on the node that runs it), or vLLM's. Other commands pass untouched."""
+    from slime_async.launch.vllm_command import SERVER_MODULE, check_with_vllm
+
     if "sglang.launch_server" in argv and sglang_available():
         check_with_sglang(argv)
+    if SERVER_MODULE in argv:
+        check_with_vllm(argv)
 
 
 def router_executable() -> str:

@@ -42,8 +42,8 @@ async def measure_success(cfg: Config, model_dir: Path | None, num_tasks: int, u
 
     from slime_async.agents import close_shared_server
     from slime_async.data.eval_suite import EvalSuite, run_suites
-    from slime_async.rollout import SGLangClient
     from slime_async.rollout.run import start_embedded_engines
+    from slime_async.rollout.vllm_client import engine_client
 
     factory = EnvFactory.from_config(cfg.env.name, cfg.env.args)
     tasks = list(itertools.islice(factory.tasks("eval"), num_tasks))
@@ -57,7 +57,8 @@ async def measure_success(cfg: Config, model_dir: Path | None, num_tasks: int, u
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     engines = [] if urls else await asyncio.to_thread(start_embedded_engines, cfg, model_dir)
     try:
-        async with SGLangClient(urls or [e.url for e in engines]) as client:
+        kind = cfg.engine.kind if urls else "embedded"  # the run's engines, or embedded ones for the check
+        async with engine_client(kind, urls or [e.url for e in engines]) as client:
             results = await run_suites(suites, client, tokenizer)
     finally:
         await close_shared_server()  # an agent env's endpoint, when it started one

@@ -225,18 +225,18 @@ class SGLangClient:
                 tried.clear()
                 continue
             rid = f"{self._rid_prefix}{next(self._rid_count)}"
-            body = _ENCODER.encode({"input_ids": input_ids, "sampling_params": sampling_params,
-                                    "return_logprob": True, "rid": rid})
+            body = self._body(input_ids, sampling_params, rid)
             server.outstanding += 1
             start = time.monotonic()
             try:
                 self.stats.requests += 1
-                async with self._session.post(server.url + "/generate", data=body, headers=_JSON,
+                async with self._session.post(server.url + self.GENERATE, data=body, headers=_JSON,
                                               timeout=self._timeout) as resp:
                     if resp.status >= 500:
                         raise BadResponse(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                     if resp.status >= 400:  # our request is wrong: retrying elsewhere will not help
-                        raise ValueError(f"{server.url}/generate refused the request: {(await resp.text())[:500]}")
+                        raise ValueError(f"{server.url}{self.GENERATE} refused the request: "
+                                         f"{(await resp.text())[:500]}")
                     raw = await resp.read()
                 answer = self._parse(raw)
                 server.failures = 0
@@ -265,7 +265,22 @@ class SGLangClient:
                     delay = min(delay * 2, self.max_backoff)
             finally:
                 server.outstanding -= 1
-        raise ServerError(f"/generate failed after {self.retries + 1} attempts; last: {last_error}")
+        raise ServerError(f"{self.GENERATE} failed after {self.retries + 1} attempts; last: {last_error}")
+
+    # --- the engine's dialect (`VLLMClient` overrides these) ---------------------------------
+
+    GENERATE = "/generate"
+    """The token-in/token-out route."""
+    ABORT = "/abort_request"
+    VERSION = "/get_model_info"
+    """GET: a JSON object whose `weight_version` is the engine's current version."""
+
+    def _body(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> bytes:
+        return _ENCODER.encode({"input_ids": input_ids, "sampling_params": sampling_params,
+                                "return_logprob": True, "rid": rid})
+
+    def _abort_body(self, rid: str) -> dict[str, Any]:
+        return {"rid": rid}
 
     def _parse(self, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
         try:
@@ -289,6 +304,10 @@ class SGLangClient:
             if meta.weight_version is None:
                 raise BadResponse("malformed /generate response (no weight_version nor weight_versions)")
             spans = [_Span(meta.weight_version, 0, n)]
+        return ids, lps, self._versions(spans, n), finish
+
+    def _versions(self, spans: list[Any], n: int) -> np.ndarray:
+        """The version of each of `n` output tokens from the answer's spans (`version`, `start`, `end`)."""
         versions = np.zeros(n, VERSION_DTYPE)
         for span in spans:
             if not str(span.version).lstrip("-").isdigit():
@@ -299,7 +318,7 @@ class SGLangClient:
             versions[span.start:span.end] = int(span.version)
         if n:
             self._saw_version(int(versions.max()))
-        return ids, lps, versions, finish
+        return versions
 
     def _saw_version(self, version: int) -> None:
         if version > self.latest_version:
@@ -340,7 +359,7 @@ class SGLangClient:
         async def abort() -> None:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
                 assert session is not None
-                async with session.post(server.url + "/abort_request", json={"rid": rid}, headers=self._admin,
+                async with session.post(server.url + self.ABORT, json=self._abort_body(rid), headers=self._admin,
                                         timeout=aiohttp.ClientTimeout(total=5)):
                     self.stats.aborts_sent += 1
 
@@ -382,7 +401,7 @@ class SGLangClient:
                 continue
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError,
                                      KeyError, TypeError):
-                async with self._session.get(server.url + "/get_model_info",
+                async with self._session.get(server.url + self.VERSION,
                                              timeout=aiohttp.ClientTimeout(total=5)) as r:
                     version = str((await r.json(content_type=None))["weight_version"])
                 if version.lstrip("-").isdigit():  # a replacement engine says `pending` until it is brought up

@@ -16,9 +16,9 @@ from slime_async.config import Config
 from slime_async.env import EnvFactory, Sampling
 from slime_async.launch.local import engine_args
 from slime_async.launch.process import EngineProcess, start_engine
-from slime_async.rollout.client import SGLangClient
 from slime_async.rollout.scheduler import RolloutStats, Scheduler
 from slime_async.rollout.sinks import JsonlSink
+from slime_async.rollout.vllm_client import engine_client
 
 
 def start_embedded_engines(cfg: Config, model_dir: Path) -> list[EngineProcess]:
@@ -52,6 +52,7 @@ async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     engines: list[EngineProcess] = []
     urls = list(cfg.engine.urls)
+    kind = cfg.engine.kind if urls else "embedded"  # attached servers, or embedded ones started here
     if not urls:
         with console.status(f"starting {cfg.engine.num_engines} embedded engine(s) on {model_dir} ..."):
             engines = await asyncio.to_thread(start_embedded_engines, cfg, model_dir)
@@ -59,7 +60,7 @@ async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: 
     sink = JsonlSink(out)
     r = cfg.rollout
     try:
-        async with SGLangClient(urls, admin_token=cfg.engine.admin_token) as client:
+        async with engine_client(kind, urls, admin_token=cfg.engine.admin_token) as client:
             scheduler = Scheduler(
                 factory, tasks, client, tokenizer, sink,
                 group_size=r.group_size, batch_size=r.batch_size, max_staleness=r.max_staleness,

@@ -26,9 +26,9 @@ from slime_async.config import load_config
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.data import build_envs, build_tasks, close_shared_remote_rewards, load_state, save_state
 from slime_async.env import Sampling
-from slime_async.rollout.client import SGLangClient
 from slime_async.rollout.scheduler import Scheduler
 from slime_async.rollout.sinks import BufferSink
+from slime_async.rollout.vllm_client import engine_client
 
 log = logging.getLogger("slime_async.rollout.worker")
 
@@ -110,7 +110,7 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
     async def recount() -> int:
         found = await asyncio.to_thread(accepted_so_far, buffer, cfg.buffer.curve_dir)
         return found // num_workers if found is not None else scheduler.budget.accepted
-    async with SGLangClient(engines, admin_token=cfg.engine.admin_token) as client, AsyncSender(
+    async with engine_client(cfg.engine.kind, engines, admin_token=cfg.engine.admin_token) as client, AsyncSender(
             buffer, name=f"rollout-{worker}", curve_dir=cfg.buffer.curve_dir) as sender:
         sink = BufferSink(sender)
         scheduler = Scheduler(

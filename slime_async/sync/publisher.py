@@ -34,6 +34,7 @@ from slime_async.engine.shared_tensors import serialize_shared
 from slime_async.engine.weights import safetensors_bytes
 from slime_async.sync.buckets import bucket_named_tensors
 from slime_async.sync.disk import prune_versions, write_version
+from slime_async.sync.vllm import vllm_push_disk, with_tied_head
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,17 @@ class WeightPublisher:
         disk_dir: Path | None = None,
         admin_token: str | None = None,
         engine_tp_size: int = 1,
+        engine_kind: str = "sglang",
     ) -> None:
         if not urls:
             raise ValueError("sync: no engine URLs to publish weights to")
         if cfg.mode == "disk" and disk_dir is None:
             raise ValueError("sync.mode=disk needs a directory (sync.disk_dir) that the engines can read")
+        if engine_kind == "vllm" and cfg.mode != "disk":
+            raise ValueError(f"sync.mode={cfg.mode}: vLLM engines take weights from disk here (vLLM's own "
+                             "weight-transfer engines are CUDA IPC and NCCL only); set sync.mode: disk")
+        self.vllm = engine_kind == "vllm"
+        """vLLM's routes (`slime_async.sync.vllm`) instead of SGLang's."""
         self.urls = [u.rstrip("/") for u in urls]
         self.cfg = cfg
         self.disk_dir = disk_dir
@@ -146,7 +153,8 @@ class WeightPublisher:
     async def engine_version(self, url: str) -> int | None:
         """The version an engine reports, or None when it cannot be reached or reports no number."""
         try:
-            async with self.session.get(url + "/get_model_info", headers=self.headers) as r:
+            async with self.session.get(url + ("/weight_info" if self.vllm else "/get_model_info"),
+                                        headers=self.headers) as r:
                 if r.status != 200:
                     return None
                 info = await r.json()
@@ -163,9 +171,10 @@ class WeightPublisher:
 
     async def set_version(self, version: int) -> None:
         """Stamp `version` on every engine without new weights (e.g. after a resume that loaded them)."""
-        await asyncio.gather(*(self._post(u, "/update_weight_version",
-                                          {"new_version": str(version), "abort_all_requests": False})
-                               for u in self.urls))
+        body: dict[str, Any] = {"new_version": str(version)}
+        if not self.vllm:
+            body["abort_all_requests"] = False
+        await asyncio.gather(*(self._post(u, "/update_weight_version", body) for u in self.urls))
 
     # --- sharing the GPUs with the trainer ------------------------------------------------
 
@@ -282,11 +291,16 @@ class WeightPublisher:
 
             def write() -> tuple[Path, int]:
                 named = list(weights())
+                if self.vllm:
+                    named = with_tied_head(named)
                 return write_version(disk_dir, version, named), sum(t.numel() * t.element_size() for _, t in named)
 
             path, nbytes = await asyncio.to_thread(write)
 
             async def push_disk(url: str) -> None:
+                if self.vllm:
+                    await vllm_push_disk(self, url, path.resolve(), version)
+                    return
                 await self._post(url, "/update_weights_from_disk",
                                  {"model_path": str(path.resolve()), "weight_version": str(version)})
 
@@ -332,7 +346,7 @@ class WeightPublisher:
             try:
                 await push(url)
                 if url in self._paused:  # whole again: serve (also after an earlier half-done push)
-                    await self._post(url, "/continue_generation", {})
+                    await self._post(url, "/resume" if self.vllm else "/continue_generation", {})
                     self._paused.discard(url)
                 return attempt + 1, None
             except PushError as exc:

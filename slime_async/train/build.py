@@ -45,7 +45,7 @@ def build_publisher(config: Config, engine_urls: list[str]) -> WeightPublisher:
     disk_dir = Path(config.sync.disk_dir) if config.sync.disk_dir else run_dir(config) / "weights"
     tp = (getattr(config.sglang, "tp_size", None) or 1) if config.engine.kind == "sglang" else 1
     return WeightPublisher(engine_urls, config.sync, disk_dir=disk_dir, admin_token=config.engine.admin_token,
-                           engine_tp_size=tp)
+                           engine_tp_size=tp, engine_kind=config.engine.kind)
 
 
 def build_trainer(

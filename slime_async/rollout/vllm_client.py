@@ -1,0 +1,143 @@
+"""The rollout client's vLLM dialect: token ids in, token ids + logprobs + weight versions out.
+
+vLLM (0.32, `vllm serve --enable-scale-out`) has a native token-in/token-out route,
+`POST /inference/v1/generate {token_ids, sampling_params}`, whose answer carries per choice the
+output `token_ids`, the sampled token's `logprobs.content[i].logprob` and `weight_versions` spans
+(`[{version, start, end}]`, the version of each token, as SGLang's `meta_info.weight_versions`).
+Everything else is the SGLang client's: one session, sticky episodes, retries, failover, abort of
+cancelled requests (`/inference/v1/abort_requests`), resume of engine-aborted ones, versions from
+`GET /weight_info`.
+
+What vLLM reports differently, normalised here (and pinned by `tests/vllm/test_vllm_client.py`):
+- sampling parameters are renamed (`max_new_tokens` -> `max_tokens`, `sampling_seed` -> `seed`);
+  one with no vLLM equivalent is refused by name, never dropped;
+- logprobs are asked for with `logprobs: 0` (the sampled token only); the launcher starts vLLM with
+  `--logprobs-mode processed_logprobs`, so the logprob is `log_softmax(logits / temperature)`, the
+  quantity the trainer recomputes (vLLM's default, `raw_logprobs`, ignores the temperature);
+- finish reasons `stop`/`length`/`abort` are SGLang's names already; vLLM's `error` is a failed
+  request (retried like a 5xx), anything else is a malformed answer;
+- the stop token or the token that completed a stop string stays in `token_ids`, as in SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from slime_async.rollout.client import BadResponse, SGLangClient
+from slime_async.types.arrays import LOGPROB_DTYPE, TOKEN_DTYPE
+
+_RENAMED = {"max_new_tokens": "max_tokens", "sampling_seed": "seed", "min_new_tokens": "min_tokens",
+            "no_stop_trim": "include_stop_str_in_output"}
+"""SGLang's name -> vLLM's (`vllm.sampling_params.SamplingParams`)."""
+_SAME = frozenset({"temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+                   "frequency_penalty", "presence_penalty", "repetition_penalty", "skip_special_tokens",
+                   "spaces_between_special_tokens", "logit_bias"})
+
+
+def vllm_sampling(params: dict[str, Any]) -> dict[str, Any]:
+    """SGLang-named sampling parameters as vLLM's, plus the logprob of each sampled token.
+
+    Raises ValueError naming a parameter that vLLM has no equivalent for (or `n` > 1: the client
+    takes one output per request, as with SGLang).
+    """
+    out: dict[str, Any] = {"logprobs": 0}
+    for name, value in params.items():
+        if name == "n":
+            if value != 1:
+                raise ValueError(f"sampling_params.n={value}: the rollout client asks for one output per request")
+            continue
+        if name in _RENAMED:
+            out[_RENAMED[name]] = value
+        elif name in _SAME:
+            out[name] = value
+        else:
+            raise ValueError(f"sampling_params.{name}: no vLLM equivalent is known (vLLM takes "
+                             f"{sorted(_SAME | set(_RENAMED))})")
+    return out
+
+
+class _Logprob(msgspec.Struct):
+    token_id: int
+    logprob: float
+
+
+class _Logprobs(msgspec.Struct):
+    content: list[_Logprob] | None = None
+
+
+class _Span(msgspec.Struct):
+    version: str | int
+    start: int
+    end: int
+
+
+class _Choice(msgspec.Struct):
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    logprobs: _Logprobs | None = None
+    weight_versions: list[_Span] | None = None
+
+
+class _Answer(msgspec.Struct):
+    choices: list[_Choice]
+
+
+_DECODER = msgspec.json.Decoder(_Answer)
+_ENCODER = msgspec.json.Encoder()
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class VLLMClient(SGLangClient):
+    """`SGLangClient` for vLLM servers: same interface (`generate` takes SGLang's parameter names)."""
+
+    GENERATE = "/inference/v1/generate"
+    ABORT = "/inference/v1/abort_requests"
+    VERSION = "/weight_info"
+
+    def _body(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> bytes:
+        return _ENCODER.encode({"token_ids": input_ids, "sampling_params": vllm_sampling(sampling_params),
+                                "request_id": rid, "output_mode": "tokens"})
+
+    def _abort_body(self, rid: str) -> dict[str, Any]:
+        # vLLM serves the request as `generate-tokens-<request_id>` and aborts by that name only
+        # (the bare id answers 200 and aborts nothing)
+        return {"request_ids": [f"generate-tokens-{rid}"]}
+
+    def _parse(self, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+        try:
+            answer = _DECODER.decode(raw)
+        except msgspec.ValidationError as exc:
+            raise BadResponse(f"malformed {self.GENERATE} response ({exc})") from None
+        except msgspec.DecodeError as exc:
+            raise BadResponse(f"not JSON ({exc})") from None
+        if len(answer.choices) != 1:
+            raise BadResponse(f"{len(answer.choices)} choices for one request")
+        choice = answer.choices[0]
+        if choice.finish_reason == "error":
+            raise BadResponse("vLLM answered finish_reason 'error' (the request failed in the engine)")
+        finish = _FINISH.get(choice.finish_reason or "")
+        if finish is None:
+            raise BadResponse(f"unknown finish_reason {choice.finish_reason!r}")
+        tokens = choice.token_ids or []
+        content = (choice.logprobs.content if choice.logprobs is not None else None) or []
+        n = len(tokens)
+        if len(content) != n:
+            raise BadResponse(f"{n} output tokens but {len(content)} logprobs")
+        if any(c.token_id != t for c, t in zip(content, tokens, strict=True)):
+            raise BadResponse("the logprobs are not of the sampled tokens")
+        if choice.weight_versions is None:
+            raise BadResponse("no weight_versions in the answer (is this vLLM >= 0.32?)")
+        try:
+            ids = np.array(tokens, TOKEN_DTYPE)
+        except OverflowError:
+            raise BadResponse("token_ids: a token id outside int32") from None
+        lps = np.fromiter((c.logprob for c in content), LOGPROB_DTYPE, n)
+        return ids, lps, self._versions(choice.weight_versions, n), finish
+
+
+def engine_client(kind: str, urls: list[str], **kwargs: Any) -> SGLangClient:
+    """The rollout client for `engine.kind` (`embedded` and `sglang` speak SGLang's API)."""
+    return VLLMClient(urls, **kwargs) if kind == "vllm" else SGLangClient(urls, **kwargs)

@@ -1,0 +1,47 @@
+"""Setting up vLLM engines: the command, its check by vLLM's own parser, and the errors that name
+what to fix (no server is started here)."""
+
+from __future__ import annotations
+
+import pytest
+from vllm_helpers import vllm_config
+
+from slime_async.config import ConfigError
+from slime_async.launch.vllm_command import check_with_vllm, vllm_argv
+
+
+def argv(*overrides: str) -> list[str]:
+    return vllm_argv(vllm_config(*overrides), model_path="/m", host="127.0.0.1", port=8000, index=1)
+
+
+def test_the_command_passes_vllm_s_own_parser() -> None:
+    command = argv()
+    assert command[:2] == ["env", "VLLM_SERVER_DEV_MODE=1"]  # the pause, reload and version routes
+    assert "--enable-scale-out" in command and command[command.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert command[command.index("--seed") + 1] == "1" and command[command.index("--max-model-len") + 1] == "512"
+    check_with_vllm(command)
+
+
+def test_a_misspelled_argument_fails_with_vllm_s_own_words() -> None:
+    with pytest.raises(ValueError, match=r"unrecognized arguments: --max-model-lenght.*vllm.args"):
+        check_with_vllm(argv("vllm.args.max_model_lenght=9"))
+
+
+def test_arguments_the_launcher_owns_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"vllm.args.port: set by the launcher"):
+        argv("vllm.args.port=9")
+
+
+def test_a_missing_vllm_names_the_make_target(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"vllm.python: no interpreter at .*run `make vllm`"):
+        argv(f"vllm.python={tmp_path}/python")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("sync.mode=tensor", "sync.mode: tensor does not reach vLLM engines"),
+    ("engine.router.enabled=true", "engine.router.enabled: sglang-router speaks SGLang's API"),
+    ("engine.host=0.0.0.0", "engine.host: 0.0.0.0: vLLM's weight-update routes"),
+])
+def test_settings_vllm_cannot_honour_are_config_errors(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        vllm_config(override)
