@@ -147,17 +147,18 @@ class LocalLauncher:
     """Whether this launcher can start trainer ranks that join one torch.distributed group."""
 
     def spawn(self, name: str, argv: list[str], ready: str | None, *, health_url: str | None = None,
-              port: int = 0, orphan_signal: int = signal.SIGTERM) -> Child:
+              port: int = 0, orphan_signal: int = signal.SIGTERM, own_group: bool = False) -> Child:
         """Start one part's process here and wait (bounded) until it is ready: its ready line matches
         `ready`, or `health_url` answers 200. `argv` and `health_url` may hold the placeholders.
-        The process gets `orphan_signal` if this launcher dies without shutting it down."""
+        The process gets `orphan_signal` if this launcher dies without shutting it down; with
+        `own_group` it leads a process group that goes with it (a server with processes of its own)."""
         host = self.cfg.engine.host
         port = port or free_port(host)
         argv = [fill(a, host, port, str(self.config_path)) for a in argv]
         preflight(argv)
         timeout = self.cfg.launch.ready_timeout_s
         child = start_process(name, argv, ready, timeout, self.run_dir / "logs" / f"{name}.log",
-                              parent_death_signal=orphan_signal)
+                              parent_death_signal=orphan_signal, own_group=own_group)
         if health_url is not None:
             url = fill(health_url, host, port, "")
             try:
@@ -209,7 +210,8 @@ class LocalLauncher:
                 child = self.spawn(f"engine-{i}", argv, None, health_url=f"http://{HOST}:{PORT}", port=port[0])
             elif c.engine.kind == "vllm":
                 argv = vllm_argv(c, model_path=str(self.model_dir), host=HOST, port=PORT, index=i)
-                child = self.spawn(f"engine-{i}", argv, None, health_url=f"http://{HOST}:{PORT}", port=port[0])
+                child = self.spawn(f"engine-{i}", argv, None, health_url=f"http://{HOST}:{PORT}", port=port[0],
+                                   own_group=True)  # its engine-core and worker processes go with it
                 set_vllm_version(child.url, version)  # vLLM starts at "default"; it has no flag for it
             else:
                 args = engine_args(c, i)

@@ -47,7 +47,7 @@ class PartActor:
 
     def start(self, argv: list[str], ready: str | None, *, host: str, port: int, files: dict[str, bytes],
               env: dict[str, str], log_path: str, timeout: float, health_url: str | None = None,
-              wait: bool = True) -> str:
+              wait: bool = True, own_group: bool = False) -> str:
         """Start the part; return what its ready line said (or its health URL). With `wait=False` return
         at once, and call `wait_ready` later (ranks that wait for each other start together)."""
         for relative, content in files.items():
@@ -65,7 +65,7 @@ class PartActor:
         # SIGKILL when the actor dies: the part goes at once, as its actor did, so that its replacement
         # never overlaps with it (two trainers, or an old engine on the port)
         self.child = start_process(self.name, argv, ready if wait else None, timeout, Path(log_path), env=env,
-                                   cwd=self.cwd, parent_death_signal=signal.SIGKILL)
+                                   cwd=self.cwd, parent_death_signal=signal.SIGKILL, own_group=own_group)
         self._ready = ready
         if health_url is not None:
             url = fill(health_url, host, port, config)

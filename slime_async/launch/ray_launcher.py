@@ -141,7 +141,7 @@ class RayLauncher(LocalLauncher):
                                f"free now: {ray.available_resources()}") from None
 
     def _start_args(self, name: str, host: str, port: int, wait: bool = True,
-                    health_url: str | None = None) -> dict[str, Any]:
+                    health_url: str | None = None, own_group: bool = False) -> dict[str, Any]:
         role, _, index = name.partition("-")
         assert self.placement is not None
         slot = self.placement.slot(role, int(index or 0))
@@ -149,16 +149,17 @@ class RayLauncher(LocalLauncher):
         files = {**self._files, "config.yaml": to_yaml(self.cfg).encode()}
         return {"host": host, "port": port, "files": files, "env": env, "health_url": health_url,
                 "log_path": str(self.run_dir / "logs" / f"{name}.log"), "timeout": self.cfg.launch.ready_timeout_s,
-                "wait": wait}
+                "wait": wait, "own_group": own_group}
 
     def spawn(self, name: str, argv: list[str], ready: str | None, *, health_url: str | None = None,
-              port: int = 0, orphan_signal: int = signal.SIGKILL) -> Child:
+              port: int = 0, orphan_signal: int = signal.SIGKILL, own_group: bool = False) -> Child:
         """`orphan_signal` is not used: every part here gets SIGKILL when its actor dies (`ray_actor`)."""
         import ray
 
         actor = self._new_actor(name)
         host, free = self._node(name, actor)
-        start = actor.start.remote(argv, ready, **self._start_args(name, host, port or free, health_url=health_url))
+        start = actor.start.remote(argv, ready, **self._start_args(name, host, port or free, health_url=health_url,
+                                                                   own_group=own_group))
         try:
             reported = ray.get(start, timeout=self.cfg.launch.ready_timeout_s + 60)
         except Exception as exc:

@@ -25,8 +25,15 @@ _OWNED = frozenset({"model", "host", "port", "seed", "dtype", "max_num_seqs", "e
                     "logprobs_mode", "served_model_name"})
 """Arguments the launcher sets; the `vllm.args` section may not."""
 
+MIN_VERSION = (0, 32)
+"""The token-in/token-out route with `weight_versions` spans and the in-place reload came with 0.32."""
+
 _CHECK = """
 import sys
+import vllm
+version = tuple(int(p) for p in vllm.__version__.split(".")[:2] if p.isdigit())
+if version < MIN_VERSION:
+    sys.exit(f"vLLM {vllm.__version__} is installed; slime_async needs vLLM >= 0.32 (make vllm installs it)")
 from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(sys.argv[1:])
@@ -80,9 +87,13 @@ def check_with_vllm(argv: list[str]) -> None:
     """Parse a `vllm_argv` command with the installed vLLM's own parser; ValueError quotes vLLM."""
     start = argv.index(SERVER_MODULE)
     python = argv[start - 2]
-    done = subprocess.run([python, "-c", _CHECK, *argv[start + 1:]], capture_output=True, text=True, timeout=300)
+    check = _CHECK.replace("MIN_VERSION", repr(MIN_VERSION))
+    done = subprocess.run([python, "-c", check, *argv[start + 1:]], capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        if lines and ("No module named 'vllm'" in lines[-1] or "slime_async needs vLLM" in lines[-1]):
+            raise ValueError(f"vllm.python: {python}: {lines[-1].removeprefix('ModuleNotFoundError: ')}"
+                             " (make vllm installs vLLM in .venv-vllm)")
         raise ValueError(f"vLLM's own parser refuses the engine command: {lines[-1] if lines else done.returncode}; "
                          "check the vllm.args section against the installed vLLM")
 

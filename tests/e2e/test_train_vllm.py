@@ -4,11 +4,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from test_train import REPO, processes_mentioning, train_command
+
+from slime_async.launch.vllm_command import SERVER_MODULE
 
 pytestmark = pytest.mark.slow
 
@@ -33,3 +38,49 @@ def test_vllm_serves_a_run_and_takes_every_weight_update(tmp_path: Path) -> None
     b = summary["buffer"]
     assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"] and b["trained"] >= 24
     assert processes_mentioning(str(run / "config.yaml")) == []  # vLLM and its engine core are gone too
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Pids whose process group is `pgid` (field 5 of /proc/PID/stat)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                members.append(int(entry.name))
+    return members
+
+
+def test_a_killed_vllm_is_replaced_and_its_processes_go_with_it(tmp_path: Path) -> None:
+    proc = subprocess.Popen(train_command(tmp_path, "train.steps=8", "vllm.args.max_model_len=512",
+                                          config="configs/local_vllm.yaml"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True)
+    run = tmp_path / "local_vllm"
+    metrics_path = run / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics_path.exists() and len(metrics_path.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "training never reached step 2"
+            time.sleep(0.2)
+        (server,) = [p for p in processes_mentioning(SERVER_MODULE)
+                     if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)]
+        assert len(process_group_members(server)) >= 3  # the API server, its engine core and its worker
+        os.kill(server, signal.SIGKILL)  # as the kernel's OOM killer would
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert process_group_members(server) == []  # no orphaned engine core holding its memory
+    summary = json.loads((run / "summary.json").read_text())
+    assert any("engine-0 died" in e for e in summary["events"]) and any("engine-0 restarted" in e for e in
+                                                                        summary["events"])
+    assert [json.loads(line)["version"] for line in metrics_path.read_text().splitlines()] == list(range(1, 9))
+    b = summary["buffer"]
+    assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"]
+    assert processes_mentioning(str(run / "config.yaml")) == []

@@ -3,6 +3,8 @@ what to fix (no server is started here)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from vllm_helpers import vllm_config
 
@@ -45,3 +47,17 @@ def test_a_missing_vllm_names_the_make_target(tmp_path) -> None:
 def test_settings_vllm_cannot_honour_are_config_errors(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         vllm_config(override)
+
+
+@pytest.mark.parametrize(("module", "message"), [
+    (None, r"No module named 'vllm' \(make vllm installs"),
+    ('__version__ = "0.20.1"\n', r"vLLM 0.20.1 is installed; slime_async needs vLLM >= 0.32"),
+])
+def test_an_interpreter_without_a_recent_vllm_is_named(tmp_path, monkeypatch, module, message) -> None:
+    # an interpreter of our own, with no vLLM or with an old one on its path
+    if module is not None:
+        (tmp_path / "vllm").mkdir()
+        (tmp_path / "vllm" / "__init__.py").write_text(module)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(ValueError, match=rf"vllm.python: {sys.executable}: {message}"):
+        check_with_vllm(argv(f"vllm.python={sys.executable}"))
