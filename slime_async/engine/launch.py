@@ -37,7 +37,9 @@ def serve(engine: Engine, model_path: str, host: str = "127.0.0.1", port: int = 
     server = EngineServer(engine, model_path, host=host, admin_token=admin_token)
 
     async def main() -> None:
-        runner = web.AppRunner(server.app, handle_signals=True)
+        # handler_cancellation: a client that disconnects cancels its handler, whose generation is
+        # then aborted (`EngineServer._run`); aiohttp's default lets it decode to the end for nobody
+        runner = web.AppRunner(server.app, handle_signals=True, handler_cancellation=True)
         await runner.setup()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -33,6 +33,11 @@ ADMIN_PATHS = {
 }
 
 
+GENERATE_MAX_BYTES = 16 * 2**20
+"""Largest `/generate` body: a context of token ids is a few hundred KB of JSON. Weight updates keep
+the application's own (large) limit."""
+
+
 def error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
@@ -68,6 +73,8 @@ class EngineServer:
         r.add_post("/init_weights_update_group", self.unsupported_distributed)
         r.add_post("/update_weights_from_distributed", self.unsupported_distributed)
         self.started = time.time()
+        self._max_token_chars = max((len(t) for t in engine.tokenizer.get_vocab()), default=1) or 1
+        """The longest token's length in characters (of its vocabulary string): bounds the text a context holds."""
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -138,9 +145,14 @@ class EngineServer:
         waiting = self._awaiting_weights()
         if waiting is not None:
             return waiting
+        if (request.content_length or 0) > GENERATE_MAX_BYTES:
+            return error(413, f"/generate: a body of {request.content_length} bytes; at most {GENERATE_MAX_BYTES}")
+        body = await _read_at_most(request, GENERATE_MAX_BYTES)  # chunked bodies too: never more
+        if body is None:
+            return error(413, f"/generate: a body over {GENERATE_MAX_BYTES} bytes")
         try:
-            req = p.decode_body(await request.read(), p.GenerateReqInput)
-            prompt = self._validate(req)
+            req = p.decode_body(body, p.GenerateReqInput)
+            prompt = await self._validate(req)
         except ValueError as exc:
             return error(400, str(exc))
         if req.stream:
@@ -149,20 +161,32 @@ class EngineServer:
         outs = [self._output(req, s) for s in seqs]
         return web.json_response(outs[0] if len(outs) == 1 else outs)
 
-    def _validate(self, req: p.GenerateReqInput) -> list[int]:
+    async def _validate(self, req: p.GenerateReqInput) -> list[int]:
         unsupported = p.unsupported_fields(req)
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)}: not supported by the embedded engine (SGLang has it)")
         if (req.text is None) == (req.input_ids is None):
             raise ValueError("give exactly one of text and input_ids")
-        prompt = req.input_ids if req.input_ids is not None else self.engine.tokenizer.encode(
-            req.text, add_special_tokens=False)
+        sp = req.sampling_params or p.SamplingParams()
+        if sp.n > self.engine.max_batch_size:
+            raise ValueError(f"sampling_params.n: {sp.n}; at most {self.engine.max_batch_size} (the engine's batch) "
+                             "per request")
+        if req.text is not None:
+            # a text too long to fit the context even at the vocabulary's longest token is refused
+            # before any tokenization; the rest is tokenized off the event loop (a long prompt
+            # would otherwise stall every other request)
+            most = self.engine.context_length * self._max_token_chars
+            if len(req.text) > most:
+                raise ValueError(f"text: {len(req.text)} characters cannot fit the context length "
+                                 f"{self.engine.context_length}")
+            prompt = await asyncio.to_thread(self.engine.tokenizer.encode, req.text, add_special_tokens=False)
+        else:
+            prompt = req.input_ids
         if not prompt:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
         if bad:
             raise ValueError(f"input_ids: token {bad[0]} is outside the vocabulary (0..{self.engine.vocab_size - 1})")
-        sp = req.sampling_params or p.SamplingParams()
         limit = self.engine.context_length
         if len(prompt) + sp.max_new_tokens > limit:
             raise ValueError(
@@ -366,6 +390,17 @@ def _snapshot(seq: Sequence) -> Sequence:
 
 def _device_gib() -> float | None:
     return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+async def _read_at_most(request: web.Request, limit: int) -> bytes | None:
+    """The request's body, or None as soon as it passes `limit` bytes (the rest is never read)."""
+    chunks, size = [], 0
+    while chunk := await request.content.read(2**16):
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _set(future: asyncio.Future, seq: Sequence) -> None:
