@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -132,7 +133,10 @@ def serve(
     max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together.")] = 32,
     context_length: Annotated[int | None, typer.Option(help="Longest sequence; default the model's.")] = None,
     seed: int = 0,
-    admin_token: Annotated[str | None, typer.Option(help="Required off loopback for weight/pause endpoints.")] = None,
+    admin_token: Annotated[str | None, typer.Option(
+        help="Required off loopback for weight/pause endpoints. Other users see it in the process list: "
+             "prefer --admin-token-file or $SLIME_ASYNC_ADMIN_TOKEN.")] = None,
+    admin_token_file: Annotated[Path | None, typer.Option(help="A file holding the admin token.")] = None,
     weight_version: Annotated[str, typer.Option(
         help="Version reported until the first weight update (a non-number: clients refuse its tokens).")] = "0",
     cuda_graphs: Annotated[bool, typer.Option(
@@ -140,10 +144,19 @@ def serve(
 ) -> None:
     """Start the embedded inference engine (SGLang's HTTP API) on one model."""
     from slime_async.config.model_dir import resolve_model_path
+    from slime_async.config.schema import ADMIN_TOKEN_ENV
     from slime_async.config.schema import is_loopback_host as is_loopback
     from slime_async.engine.launch import load_engine
     from slime_async.engine.launch import serve as serve_engine
 
+    if admin_token_file is not None:
+        try:
+            admin_token = admin_token_file.read_text().strip()
+        except OSError as exc:
+            fail(f"--admin-token-file: {exc}")
+        if not admin_token:
+            fail(f"--admin-token-file: {admin_token_file} is empty")
+    admin_token = admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
     if not is_loopback(host) and not admin_token:
         fail(f"--host {host} is not loopback: give --admin-token so that the weight and pause endpoints are guarded")
     path = resolve_model_path(model, field="--model")

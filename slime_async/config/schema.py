@@ -78,6 +78,11 @@ class RouterConfig(_Section):
     `{health_check_interval_secs: 2}`; `true` passes a bare switch."""
 
 
+ADMIN_TOKEN_ENV = "SLIME_ASYNC_ADMIN_TOKEN"
+"""How the launcher hands `engine.admin_token` to an embedded engine: the environment, which only
+its own user can read (`/proc/PID/environ`), not the command line, which every user can."""
+
+
 class EngineConfig(_Section):
     kind: Literal["embedded", "sglang", "vllm"] = "embedded"
     """`embedded`: slime_async's own server speaking SGLang's API (CPU or one GPU).

@@ -14,6 +14,7 @@ import dataclasses
 import hmac
 import json
 import time
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -78,9 +79,19 @@ class EngineServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        refused = _cross_site(request)
+        if refused is not None:
+            return error(403, refused)
+        if request.path in ADMIN_PATHS and request.method == "POST" and request.can_read_body:
+            # a browser sends text/plain, form or multipart bodies cross-site without asking first;
+            # JSON it does not: a web page cannot drive these routes even with no token (loopback)
+            kind = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                return error(415, f"{request.path}: Content-Type must be application/json, got {kind or 'none'!r}")
         if self.admin_token and request.path in ADMIN_PATHS:
             given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given, self.admin_token):
+            # bytes: a str with non-ASCII characters makes compare_digest raise (a 500 before)
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), self.admin_token.encode()):
                 return error(401, f"{request.path} needs the admin token (Authorization: Bearer ...)")
         return await handler(request)
 
@@ -390,6 +401,30 @@ def _snapshot(seq: Sequence) -> Sequence:
 
 def _device_gib() -> float | None:
     return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def _cross_site(request: web.Request) -> str | None:
+    """Why a request that a web page on another site made is refused, or None.
+
+    Browsers say where a request comes from: `Sec-Fetch-Site` (every request of a current browser,
+    image loads included) and `Origin` (every cross-origin fetch and form post). Programs (our
+    clients, SGLang's, curl) send neither, or their own host. Without this, any page the user
+    visits could pause a loopback engine or load weights into it (no token is needed on loopback).
+    """
+    site = request.headers.get("Sec-Fetch-Site", "").lower()
+    if site in ("cross-site", "same-site"):
+        return f"{request.path}: refused, a browser request from another site (Sec-Fetch-Site: {site})"
+    origin = request.headers.get("Origin")
+    if origin is not None and origin != "null":
+        try:
+            host = urllib.parse.urlsplit(origin).netloc
+        except ValueError:  # not a URL at all
+            host = None
+        if host != request.host:
+            return f"{request.path}: refused, a browser request from origin {origin!r}, not {request.host!r}"
+    elif origin == "null":  # sandboxed frames and file:// pages
+        return f"{request.path}: refused, a browser request from an opaque origin"
+    return None
 
 
 async def _read_at_most(request: web.Request, limit: int) -> bytes | None:

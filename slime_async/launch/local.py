@@ -28,6 +28,7 @@ import msgspec
 
 from slime_async.config import Config, ConfigError
 from slime_async.config.model_dir import resolve_model_path
+from slime_async.config.schema import ADMIN_TOKEN_ENV
 from slime_async.launch.health import wait_healthy
 from slime_async.launch.process import start_process
 from slime_async.launch.sglang_command import preflight, router_argv, sglang_argv
@@ -49,9 +50,12 @@ def engine_args(cfg: Config, i: int) -> list[str]:
     """`slime-async serve` options of engine i, as the config describes the engines."""
     args = ["--device", cfg.model.device, "--dtype", cfg.model.dtype, "--max-batch-size",
             str(cfg.engine.max_batch_size), "--seed", str(cfg.run.seed + i), "--host", cfg.engine.host]
-    if cfg.engine.admin_token:
-        args += ["--admin-token", cfg.engine.admin_token]
-    return args
+    return args  # the admin token goes by the environment (`engine_env`), never on the command line
+
+
+def engine_env(cfg: Config) -> dict[str, str]:
+    """The environment an embedded engine gets: its admin token, where the config sets one."""
+    return {ADMIN_TOKEN_ENV: cfg.engine.admin_token} if cfg.engine.admin_token else {}
 
 
 class PartFailed(RuntimeError):
@@ -147,7 +151,8 @@ class LocalLauncher:
     """Whether this launcher can start trainer ranks that join one torch.distributed group."""
 
     def spawn(self, name: str, argv: list[str], ready: str | None, *, health_url: str | None = None,
-              port: int = 0, orphan_signal: int = signal.SIGTERM, own_group: bool = False) -> Child:
+              port: int = 0, orphan_signal: int = signal.SIGTERM, own_group: bool = False,
+              env: dict[str, str] | None = None) -> Child:
         """Start one part's process here and wait (bounded) until it is ready: its ready line matches
         `ready`, or `health_url` answers 200. `argv` and `health_url` may hold the placeholders.
         The process gets `orphan_signal` if this launcher dies without shutting it down; with
@@ -158,7 +163,7 @@ class LocalLauncher:
         preflight(argv)
         timeout = self.cfg.launch.ready_timeout_s
         child = start_process(name, argv, ready, timeout, self.run_dir / "logs" / f"{name}.log",
-                              parent_death_signal=orphan_signal, own_group=own_group)
+                              parent_death_signal=orphan_signal, own_group=own_group, env=env)
         if health_url is not None:
             url = fill(health_url, host, port, "")
             try:
@@ -218,7 +223,7 @@ class LocalLauncher:
                 args[args.index("--host") + 1] = HOST  # the address of the node it runs on
                 argv = [sys.executable, "-m", "slime_async.cli", "serve", "--model", str(self.model_dir),
                         *args, "--port", PORT, "--weight-version", version]
-                child = self.spawn(f"engine-{i}", argv, ENGINE_READY, port=port[0])
+                child = self.spawn(f"engine-{i}", argv, ENGINE_READY, port=port[0], env=engine_env(c))
             port[0] = int(child.url.rsplit(":", 1)[1])  # restarts come back on the same port
             return child
 

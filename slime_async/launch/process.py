@@ -148,7 +148,8 @@ def _die_with_parent(sig: int) -> None:
 
 
 def start_engine(model_dir: str | Path, *args: str, timeout: float = 120.0, port: int = 0,
-                 log_path: Path | None = None, name: str = "engine") -> ChildProcess:
+                 log_path: Path | None = None, name: str = "engine", env: dict[str, str] | None = None
+                 ) -> ChildProcess:
     """Start `slime-async serve --model DIR --port PORT ARGS`; `.url` is where it serves."""
     argv = [sys.executable, "-m", "slime_async.cli", "serve", "--model", str(model_dir), "--port", str(port), *args]
-    return start_process(name, argv, r"serving on (http://\S+)", timeout, log_path)
+    return start_process(name, argv, r"serving on (http://\S+)", timeout, log_path, env=env)

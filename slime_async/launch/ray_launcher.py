@@ -152,14 +152,16 @@ class RayLauncher(LocalLauncher):
                 "wait": wait, "own_group": own_group}
 
     def spawn(self, name: str, argv: list[str], ready: str | None, *, health_url: str | None = None,
-              port: int = 0, orphan_signal: int = signal.SIGKILL, own_group: bool = False) -> Child:
+              port: int = 0, orphan_signal: int = signal.SIGKILL, own_group: bool = False,
+              env: dict[str, str] | None = None) -> Child:
         """`orphan_signal` is not used: every part here gets SIGKILL when its actor dies (`ray_actor`)."""
         import ray
 
         actor = self._new_actor(name)
         host, free = self._node(name, actor)
-        start = actor.start.remote(argv, ready, **self._start_args(name, host, port or free, health_url=health_url,
-                                                                   own_group=own_group))
+        args = self._start_args(name, host, port or free, health_url=health_url, own_group=own_group)
+        args["env"] = {**args["env"], **(env or {})}  # Ray arguments, not the command line: the admin token
+        start = actor.start.remote(argv, ready, **args)
         try:
             reported = ray.get(start, timeout=self.cfg.launch.ready_timeout_s + 60)
         except Exception as exc:

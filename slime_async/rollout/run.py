@@ -14,7 +14,7 @@ from rich.table import Table
 from slime_async.agents.server import close_shared_server
 from slime_async.config import Config
 from slime_async.env import EnvFactory, Sampling
-from slime_async.launch.local import engine_args
+from slime_async.launch.local import engine_args, engine_env
 from slime_async.launch.process import EngineProcess, start_engine
 from slime_async.rollout.scheduler import RolloutStats, Scheduler
 from slime_async.rollout.sinks import JsonlSink
@@ -26,7 +26,7 @@ def start_embedded_engines(cfg: Config, model_dir: Path) -> list[EngineProcess]:
     procs: list[EngineProcess] = []
     try:
         for i in range(cfg.engine.num_engines):
-            procs.append(start_engine(model_dir, *engine_args(cfg, i)))
+            procs.append(start_engine(model_dir, *engine_args(cfg, i), env=engine_env(cfg)))
     except BaseException:
         for p in procs:
             p.stop()

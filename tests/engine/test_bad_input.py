@@ -12,8 +12,9 @@ from helpers import PROMPTS, greedy_body, hf_greedy, post, wait_for_tokens
 from slime_async.engine.server import EngineServer
 
 
-async def raw_post(url: str, path: str, data: bytes) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as session, session.post(url + path, data=data) as resp:
+async def raw_post(url: str, path: str, data: bytes, **headers: str) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **headers}
+    async with aiohttp.ClientSession() as session, session.post(url + path, data=data, headers=headers) as resp:
         return resp.status, await resp.json()
 
 
@@ -91,6 +92,38 @@ async def test_admin_endpoints_need_the_token_off_loopback(aiohttp_engine) -> No
             assert r.status == 200
         async with s.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}) as r:
             assert r.status == 200 and (await r.json())["meta_info"]["weight_version"] == "5"
+
+
+async def test_a_token_with_non_ascii_characters_is_a_401_not_a_500(aiohttp_engine) -> None:
+    status, out = await raw_post(aiohttp_engine, "/update_weight_version", b'{"new_version": "5"}',
+                                 Authorization="Bearer \u00e9t\u00e9".encode().decode("latin-1"))
+    assert status == 401 and "needs the admin token" in out["error"]["message"]
+
+
+@pytest.mark.parametrize(("headers", "status", "message"), [
+    # what a web page on another site can make a browser send without asking first
+    ({"Content-Type": "text/plain", "Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}, 403,
+     "a browser request from another site"),
+    ({"Content-Type": "text/plain", "Origin": "http://evil.example"}, 403, "from origin 'http://evil.example'"),
+    ({"Content-Type": "application/json", "Origin": "null"}, 403, "an opaque origin"),
+    ({"Content-Type": "text/plain"}, 415, "Content-Type must be application/json, got 'text/plain'"),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, 415, "got 'application/x-www-form-urlencoded'"),
+])  # fmt: skip
+async def test_a_loopback_engine_does_not_obey_a_web_page(engine_url: str, reference: torch.nn.Module,
+                                                          headers: dict, status: int, message: str) -> None:
+    # loopback needs no token: a page the user visits must still not pause it or load weights into it
+    for path, body in (("/pause_generation", b'{"mode": "abort"}'),
+                       ("/update_weights_from_disk", b'{"model_path": "/tmp/x"}')):
+        got, out = await raw_post(engine_url, path, body, **headers)
+        assert got == status and message in out["error"]["message"], (path, out)
+    async with aiohttp.ClientSession() as s, s.get(engine_url + "/get_server_info") as r:
+        assert (await r.json())["internal_states"][0]["paused"] is False
+    # the engine's own host as the origin (a page it served) and programs (no Origin) are obeyed
+    host = engine_url.removeprefix("http://")
+    got, _ = await raw_post(engine_url, "/continue_generation", b"{}", Origin=f"http://{host}")
+    assert got == 200
+    status, out = await post(engine_url, "/generate", greedy_body(PROMPTS[0], n=4))
+    assert status == 200 and out["output_ids"] == hf_greedy(reference, PROMPTS[0], 4)
 
 
 def test_public_bind_without_token_is_refused(tiny_engine) -> None:
