@@ -41,6 +41,11 @@ _DRAIN_BYTES = 2 * 2**20
 while one commit (one writev) still covers many trajectories."""
 
 
+def max_frame_limit(max_frame_bytes: int) -> int:
+    """The largest frame the buffer's socket receives at all (`zmq.MAXMSGSIZE`)."""
+    return max(2 * max_frame_bytes, max_frame_bytes + 2**20)
+
+
 class ServerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What a buffer server process needs: its config section plus the two rollout numbers it uses."""
 
@@ -103,6 +108,10 @@ class BufferServer:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to a vanished peer are dropped, not raised
+        # ZeroMQ drops a peer that sends a frame past this before taking it whole (a 300 MB frame was
+        # read into memory, then rejected): senders refuse frames over max_frame_bytes themselves,
+        # and one somewhat over it still reaches `decode_trajectory`, which nacks it with the reason
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_limit(cfg.max_frame_bytes))
         p.zero_copy_sends(self.sock)  # BATCH frames go out as the buffer holds them
         self.sock.bind(cfg.endpoint)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -197,14 +206,28 @@ class BufferServer:
         session = p.unpack_u64(frames[2], "DATA session")
         payloads = frames[4:]
         seqs = p.unpack_seqs(frames[3], len(payloads))
-        if peer is None:
-            # A sender we do not know (we restarted, or forgot it): keep its data, ask it to say HELLO
-            # so that it gets credits and resends whatever we never acked.
-            out.append([ident, p.RESET, p.pack_u64(session)])
-        elif peer.session == session:
+        # Capacity holds against senders that ignore flow control: what a known sender sends past its
+        # credits is nacked; a sender we do not know may fill the buffer up to `capacity`, no further
+        # (unacked, so that after its HELLO it resends under credits: an honest one loses nothing).
+        if peer is not None and peer.session == session:
+            allowed = max(0, min(len(payloads), peer.granted - peer.received))
             peer.received += len(payloads)
+        else:
+            if peer is None:
+                # A sender we do not know (we restarted, or forgot it): keep its data, ask it to say
+                # HELLO so that it gets credits and resends whatever we never acked.
+                out.append([ident, p.RESET, p.pack_u64(session)])
+            allowed = max(0, self.cfg.capacity - self._stored())  # an earlier session's data: the same bound
         ack = acks[ident]
-        for seq, payload in zip(seqs, payloads, strict=True):
+        for i, (seq, payload) in enumerate(zip(seqs, payloads, strict=True)):
+            if i >= allowed:
+                in_session = peer is not None and peer.session == session
+                over = Rejected(RejectReason.OVER_CAPACITY, f"sent past its credits (granted {peer.granted})"
+                                if in_session and peer is not None else f"the buffer is full ({self.cfg.capacity})")
+                self._count_reject(over, ident)
+                if in_session:
+                    out.append([ident, p.NACK, p.pack_u64(seq), str(over).encode()])
+                continue
             try:
                 trajectory = decode_trajectory(payload, self.cfg.max_frame_bytes)
             except Rejected as exc:
@@ -223,8 +246,11 @@ class BufferServer:
                 f"sender {hello.sender} speaks protocol {hello.protocol}, this buffer {p.PROTOCOL_VERSION}: "
                 "run the same slime_async version on both sides",
             )
-        self._peers[ident] = _Peer(hello.sender, session, last_seen=time.monotonic())
+        self._peers[ident] = peer = _Peer(hello.sender, session, last_seen=time.monotonic())
         self.sessions += 1
+        if self._stored() < self.cfg.capacity:  # its first credits at once: DATA may follow in this step
+            peer.granted = self.cfg.sender_credits
+            self.sock.send_multipart([ident, p.GRANT, p.pack_u64(session), p.pack_u64(peer.granted)])
 
     def _on_get(self, ident: bytes, req: p.GetBatch) -> None:
         for w in self._waiting:
@@ -259,9 +285,12 @@ class BufferServer:
                 still.append(w)
         self._waiting = still
 
-    def _grant(self) -> None:
+    def _stored(self) -> int:
         m = self.buffer.metrics()
-        if m["pending"] + m["ready"] >= self.cfg.capacity:
+        return m["pending"] + m["ready"]
+
+    def _grant(self) -> None:
+        if self._stored() >= self.cfg.capacity:
             return  # full: senders wait until the trainer takes batches
         for ident, peer in self._peers.items():
             target = peer.received + self.cfg.sender_credits

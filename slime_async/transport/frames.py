@@ -7,8 +7,14 @@ but `Rejected`: the server counts the reason, logs the detail, tells the sender,
 from __future__ import annotations
 
 import enum
+import math
+
+import numpy as np
 
 from slime_async.types import DecodeError, SchemaVersionError, Trajectory, from_msgpack
+
+LOGPROB_SLACK = 1e-3
+"""A logprob is at most 0; servers' float paths can round it a little above."""
 
 
 class RejectReason(enum.Enum):
@@ -22,11 +28,15 @@ class RejectReason(enum.Enum):
     """The frame was written by a newer schema version than the server's."""
     INVALID = "invalid"
     """Valid msgpack, but not a valid Trajectory (a missing field, a wrong type, arrays that disagree
-    in length)."""
+    in length), or values no episode produces (`check_values`)."""
     GARBAGE = "garbage"
     """Not msgpack at all."""
     BAD_MESSAGE = "bad_message"
     """The multipart envelope is wrong: unknown kind, missing or malformed frames."""
+    OVER_CAPACITY = "over_capacity"
+    """Sent past the credits the server granted (a sender that ignores flow control), or, from a
+    sender it does not know, while the buffer is full: not stored (a sender that knows the protocol
+    never sees it)."""
 
 
 class Rejected(ValueError):
@@ -46,7 +56,7 @@ def decode_trajectory(frame: bytes | memoryview, max_bytes: int) -> Trajectory:
             f"frame of {len(frame):,} bytes exceeds buffer.max_frame_bytes={max_bytes:,}",
         )
     try:
-        return from_msgpack(frame, Trajectory)
+        trajectory = from_msgpack(frame, Trajectory)
     except SchemaVersionError as exc:
         raise Rejected(RejectReason.SCHEMA_VERSION, str(exc)) from None
     except DecodeError as exc:
@@ -58,3 +68,35 @@ def decode_trajectory(frame: bytes | memoryview, max_bytes: int) -> Trajectory:
         raise Rejected(RejectReason.INVALID, text) from None
     except Exception as exc:  # any other failure of a decoder on hostile bytes is still a rejection
         raise Rejected(RejectReason.GARBAGE, f"{type(exc).__name__}: {exc}") from None
+    problem = check_values(trajectory)
+    if problem is not None:
+        raise Rejected(RejectReason.INVALID, problem)
+    return trajectory
+
+
+def check_values(t: Trajectory) -> str | None:
+    """What makes a well-typed trajectory one that no episode produces, naming the place; None if
+    nothing. Such a trajectory would poison a training step (a NaN reward or logprob makes the
+    loss NaN; a negative token id indexes the vocabulary from its end)."""
+    if not math.isfinite(t.reward):
+        return f"reward: {t.reward}"
+    for name, table in (("rewards", t.rewards), ("metrics", t.metrics), ("timings", t.timings)):
+        for key, value in table.items():
+            if not math.isfinite(value):
+                return f"{name}[{key!r}]: {value}"
+    if t.sample_index < 0:
+        return f"sample_index: {t.sample_index}"
+    for i, turn in enumerate(t.turns):
+        for field in ("prompt_ids", "completion_ids", "versions"):
+            values = getattr(turn, field)
+            if len(values) and values.min() < 0:
+                return f"turns[{i}].{field}[{int(np.argmin(values))}]: {int(values.min())} (negative)"
+        lps = turn.logprobs
+        bad = ~np.isfinite(lps) | (lps > LOGPROB_SLACK)
+        if bad.any():
+            j = int(np.argmax(bad))
+            return f"turns[{i}].logprobs[{j}]: {float(lps[j])} (a logprob is finite and at most 0)"
+        mask = turn.loss_mask
+        if mask is not None and len(mask) and not np.isin(mask, (0, 1)).all():
+            return f"turns[{i}].loss_mask: values other than 0 and 1"
+    return None
