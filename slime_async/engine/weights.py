@@ -110,6 +110,10 @@ def plan_copy(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor])
             raise ValueError(f"weight {name!r} has shape {tuple(shape)}, the model's is {tuple(param.shape)}")
         if not tensor.is_floating_point() and param.is_floating_point():
             raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating point tensor")
+        if tensor.device.type == "meta" or tensor.layout != torch.strided:
+            # no data to copy: found only at its copy, after the ones before it (a 500 with the
+            # first weights changed and the version not)
+            raise ValueError(f"weight {name!r} holds no data here ({tensor.device.type}, {tensor.layout})")
         plan.shapes.append(shape)
         if shape.numel() >= threshold:
             plan.large.append(i)
@@ -153,6 +157,8 @@ class InPlaceCopier:
             return False
         if not all(dtype.is_floating_point for dtype in {t.dtype for t in sources}):
             return False
+        if any(t.device.type == "meta" or t.layout != torch.strided for t in sources):
+            return False  # `plan_copy` names it
         return not sources or plan.on_device == (self.params[plan.names[0]].device.type != "cpu")
 
 

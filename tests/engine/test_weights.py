@@ -151,3 +151,19 @@ async def test_bad_update_is_all_or_nothing_and_harms_no_request(
     _, done = await asyncio.wait_for(request, 120)
     assert done["output_ids"] == hf_greedy(reference, ids, 300)
     assert done["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 300}]
+
+
+async def test_an_update_with_a_tensor_without_data_changes_nothing(engine_url: str, reference: torch.nn.Module,
+                                                                    other: torch.nn.Module) -> None:
+    # SGLang's shared format can carry a meta tensor (shape, no data): once it failed at its own copy,
+    # after the weights before it had changed, with the version left as it was
+    from slime_async.engine.shared_tensors import serialize_shared
+
+    named = [("model.norm.weight", other.state_dict()["model.norm.weight"]),
+             ("model.layers.0.input_layernorm.weight", torch.empty(256, device="meta"))]
+    body = {"serialized_named_tensors": [serialize_shared(named)], "weight_version": "9"}
+    status, out = await post(engine_url, "/update_weights_from_tensor", body)
+    assert status == 400 and "'model.layers.0.input_layernorm.weight' holds no data here (meta" in out["message"]
+    status, done = await post(engine_url, "/generate", greedy_body(PROMPTS[2], n=12))
+    assert done["output_ids"] == hf_greedy(reference, PROMPTS[2], 12)  # model.norm.weight untouched
+    assert done["meta_info"]["weight_version"] == "0"
