@@ -74,6 +74,8 @@ class EngineServer:
         r.add_post("/init_weights_update_group", self.unsupported_distributed)
         r.add_post("/update_weights_from_distributed", self.unsupported_distributed)
         self.started = time.time()
+        self._weight_bytes = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values()) + 2**20
+        """The most shared memory one update item may map: the model's own weights (and a little)."""
         self._max_token_chars = max((len(t) for t in engine.tokenizer.get_vocab()), default=1) or 1
         """The longest token's length in characters (of its vocabulary string): bounds the text a context holds."""
 
@@ -353,7 +355,7 @@ class EngineServer:
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         try:
             req = await self._body(request, p.UpdateWeightsFromTensorReqInput)
-            tensors = await asyncio.to_thread(decode_named_tensors, req.serialized_named_tensors)
+            tensors = await asyncio.to_thread(decode_named_tensors, req.serialized_named_tensors, self._weight_bytes)
         except ValueError as exc:
             return web.json_response({"success": False, "message": str(exc)}, status=400)
         ok, message = await self._update(tensors, req.weight_version, req.abort_all_requests)

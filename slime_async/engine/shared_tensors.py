@@ -10,36 +10,150 @@ the same path runs, and is tested, without a GPU.
 The sender must keep the tensors alive until the engine answers: the engine copies them into its
 own weights (and waits for that copy) before it replies.
 
-Unpickling runs only the torch rebuild functions that this format needs: any other global in an
-item is refused, as SGLang's `SafeUnpickler` does.
+Unpickling runs only the torch rebuild functions that this format needs, each with its arguments
+checked first (`_Rebuilders`): a handle must name an existing torch shared-memory file no smaller
+than asked (never created or grown) through torch's own manager socket, within the engine's own
+weight bytes; classes reach the pickle as names it cannot call. Any other global is refused, as
+SGLang's `SafeUnpickler` does.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import os
 import pickle
+import re
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import torch
 import torch.multiprocessing  # registers torch's tensor and storage reductions with ForkingPickler
+from torch.multiprocessing import reductions as _reductions
 
-_REBUILDERS = {"rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage", "rebuild_storage_filename",
-               "rebuild_storage_empty", "rebuild_meta_tensor"}
-_TORCH_NAMES = {"Tensor", "Size"}
+
+class _Class:
+    """What a pickle gets for an allowed class: a name, not the class. Called directly, a class
+    would allocate whatever the pickle asks (`UntypedStorage(10**9)`, `Tensor(...)`: a 13 KB item
+    once took 1.6 GB and 23 s of CPU); only the rebuilders below turn it back into the class."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+
+_CLASSES = {("torch", "Tensor"): torch.Tensor, ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+            ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+            ("torch.storage", "TypedStorage"): torch.TypedStorage}
+_TENSOR_CLASSES = (torch.Tensor, torch.nn.Parameter)
+_STORAGES = (torch.UntypedStorage, torch.TypedStorage)
+_MANAGER = re.compile(rb"^/[^\0]*/torch-shm-dir-[A-Za-z0-9_]+/manager\.sock$")
+"""torch's shared-memory manager socket (`file_system` strategy): the only socket a handle may name."""
+_HANDLE = re.compile(rb"^/torch_\d+_\d+_\d+$")
+"""A shared-memory file that torch made (`/dev/shm/torch_<pid>_<n>_<n>`)."""
+MAX_DIMS = 8
+
+
+class _Bad(pickle.UnpicklingError):
+    pass
+
+
+class _NotHere(OSError):
+    """A well-formed handle of a file this host does not have: the item comes from another host."""
+
+
+def _cls(value: object, allowed: tuple[type, ...]) -> type:
+    if not isinstance(value, _Class) or value.cls not in allowed:
+        raise _Bad(f"a rebuilder was given {type(value).__name__}, not one of {[c.__name__ for c in allowed]}")
+    return value.cls
+
+
+def _ints(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple | list | torch.Size) or len(value) > MAX_DIMS or not all(
+            isinstance(v, int) and v >= 0 for v in value):
+        raise _Bad(f"{what}: expected at most {MAX_DIMS} non-negative ints")
+    return tuple(value)
+
+
+class _Rebuilders:
+    """torch's rebuild functions with their arguments checked first; `budget` bounds the bytes of
+    shared memory one item may map (the engine's own weights)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+
+    def rebuild_tensor(self, cls: object, storage: object, metadata: object) -> torch.Tensor:
+        if not isinstance(storage, _STORAGES) or not isinstance(metadata, tuple) or len(metadata) != 4:
+            raise _Bad("rebuild_tensor: expected a storage and (offset, size, stride, requires_grad)")
+        offset, size, stride, requires_grad = metadata
+        if not isinstance(offset, int) or offset < 0:
+            raise _Bad("rebuild_tensor: bad storage offset")
+        _ints(size, "rebuild_tensor size"), _ints(stride, "rebuild_tensor stride")
+        return _reductions.rebuild_tensor(_cls(cls, _TENSOR_CLASSES), storage,
+                                          (offset, size, stride, bool(requires_grad)))
+
+    def rebuild_typed_storage(self, storage: object, dtype: object) -> torch.TypedStorage:
+        if not isinstance(storage, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
+            raise _Bad("rebuild_typed_storage: expected an untyped storage and a dtype")
+        return _reductions.rebuild_typed_storage(storage, dtype)
+
+    def rebuild_storage_filename(self, cls: object, manager: object, handle: object, size: object,
+                                 dtype: object = None) -> Any:
+        if not isinstance(manager, bytes) or not _MANAGER.match(manager):
+            raise _Bad("rebuild_storage_filename: the manager is not torch's shared-memory manager socket")
+        if not isinstance(handle, bytes) or not _HANDLE.match(handle):
+            raise _Bad("rebuild_storage_filename: the handle is not a torch shared-memory file")
+        if not isinstance(size, int) or size < 0 or (dtype is not None and not isinstance(dtype, torch.dtype)):
+            raise _Bad("rebuild_storage_filename: bad size or dtype")
+        nbytes = size * (torch._utils._element_size(dtype) if dtype is not None else 1)
+        try:  # map only what exists, whole: never create or grow another process's file
+            have = os.stat("/dev/shm" + handle.decode()).st_size
+        except OSError:
+            raise _NotHere("rebuild_storage_filename: no such shared-memory file here") from None
+        if nbytes > have or nbytes > self.budget:
+            raise _Bad(f"rebuild_storage_filename: {nbytes} bytes asked, the file has {have}, the engine's "
+                       f"weights {self.budget}")
+        self.budget -= nbytes
+        return _reductions.rebuild_storage_filename(_cls(cls, _STORAGES), manager, handle, size, dtype)
+
+    def rebuild_storage_empty(self, cls: object) -> Any:
+        return _reductions.rebuild_storage_empty(_cls(cls, _STORAGES))
+
+    def rebuild_meta_tensor(self, cls: object, size: object, stride: object, offset: object, dtype: object,
+                            storage_size_bytes: object, requires_grad: object) -> torch.Tensor:
+        # no memory: shape only (the update is refused later, naming it)
+        _ints(size, "rebuild_meta_tensor size"), _ints(stride, "rebuild_meta_tensor stride")
+        if not isinstance(dtype, torch.dtype) or not isinstance(offset, int) or not isinstance(storage_size_bytes, int):
+            raise _Bad("rebuild_meta_tensor: bad dtype, offset or storage size")
+        return _reductions.rebuild_meta_tensor(_cls(cls, _TENSOR_CLASSES), size, stride, offset, dtype,
+                                               storage_size_bytes, bool(requires_grad))
+
+    def rebuild_cuda_tensor(self, cls: object, *args: Any) -> torch.Tensor:
+        # CUDA IPC: the handle opens only memory another process exported to it
+        if len(args) < 11 or not isinstance(args[3], _Class) or args[3].cls not in _STORAGES:
+            raise _Bad("rebuild_cuda_tensor: unexpected arguments")
+        args = (*args[:3], args[3].cls, *args[4:])
+        return _reductions.rebuild_cuda_tensor(_cls(cls, _TENSOR_CLASSES), *args)
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
+    """Only what this format needs: torch's rebuilders (checked, `_Rebuilders`), class names
+    (`_Class`), dtypes and `torch.Size`; any other global is refused, as SGLang's `SafeUnpickler` does."""
+
+    def __init__(self, file: io.BytesIO, budget: int) -> None:
+        super().__init__(file)
+        self.rebuilders = _Rebuilders(budget)
+
     def find_class(self, module: str, name: str) -> object:
-        allowed = (
-            (module == "torch.multiprocessing.reductions" and name in _REBUILDERS)
-            or (module == "torch.storage" and name in {"UntypedStorage", "TypedStorage"})
-            or (module == "torch" and (name in _TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)))
-            or (module == "torch.nn.parameter" and name == "Parameter")
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in shared tensors")
-        return super().find_class(module, name)
+        if module == "torch.multiprocessing.reductions" and name.startswith("rebuild_") and hasattr(
+                _Rebuilders, name):
+            return getattr(self.rebuilders, name)
+        if (module, name) in _CLASSES:
+            return _Class(_CLASSES[(module, name)])
+        if module == "torch" and name == "Size":
+            return lambda dims: torch.Size(_ints(dims, "torch.Size"))
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in shared tensors")
 
 
 def serialize_shared(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -62,10 +176,11 @@ def is_pickle(raw: bytes) -> bool:
     return raw[:1] == b"\x80" and raw[8:9] != b"{"
 
 
-def deserialize_shared(raw: bytes, index: int) -> dict[str, torch.Tensor]:
-    """The tensors of one item; a ValueError names the item and what is wrong with it."""
+def deserialize_shared(raw: bytes, index: int, budget: int) -> dict[str, torch.Tensor]:
+    """The tensors of one item, mapping at most `budget` bytes of shared memory; a ValueError names
+    the item and what is wrong with it."""
     try:
-        obj = _RestrictedUnpickler(io.BytesIO(raw)).load()
+        obj = _RestrictedUnpickler(io.BytesIO(raw), budget).load()
     except pickle.UnpicklingError as exc:
         raise ValueError(f"serialized_named_tensors[{index}]: {exc}") from None
     except Exception as exc:  # a handle that cannot be opened here: another GPU, host or process gone

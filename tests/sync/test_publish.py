@@ -178,7 +178,7 @@ def test_shared_tensor_items_are_small_and_refuse_foreign_code() -> None:
 
     evil = pickle.dumps([("w", Evil())], protocol=5)
     with pytest.raises(ValueError, match=r"serialized_named_tensors\[0\]: global builtins.print is not allowed"):
-        deserialize_shared(evil, 0)
+        deserialize_shared(evil, 0, 2**30)
     with pytest.raises(ValueError, match=r"serialized_named_tensors\[0\].*list of \(name, tensor\)"):
         decode_named_tensors([base64.b64encode(pickle.dumps({"w": 1}, protocol=5)).decode()])
 
@@ -191,10 +191,10 @@ async def test_engine_that_cannot_open_the_handles_gets_safetensors(engine, base
 
     real = publisher.serialize_shared
 
-    def unreachable_handles(named):  # handles that name shared-memory files no process has
+    def unreachable_handles(named):  # handles that name shared-memory files this host does not have
         raw = base64.b64decode(real(named))
         assert b"/torch_" in raw
-        return base64.b64encode(raw.replace(b"/torch_", b"/gone!_")).decode()
+        return base64.b64encode(raw.replace(b"/torch_", b"/torch_9")).decode()
 
     monkeypatch.setattr(publisher, "serialize_shared", unreachable_handles)
     async with WeightPublisher([engine.url], fast(mode="tensor", tensor_format="shared")) as pub:
