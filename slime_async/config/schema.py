@@ -565,4 +565,5 @@ class Config(_Section):
                                  "the rollout client balances vLLM engines itself (give several engines)")
             if not is_loopback_host(self.engine.host) and not self.engine.urls:
                 raise ValueError(f"engine.host: {self.engine.host}: vLLM's weight-update routes (dev mode) take "
-                                 "no token, so slime_async launches vLLM on loopback only")
+                                 "no token (its --api-key does not guard them), so slime_async launches vLLM on "
+                                 "loopback only (under --ray: one machine, launch.ray.host: 127.0.0.1)")

@@ -93,6 +93,20 @@ def test_embedded_default_runs_with_every_part_a_ray_actor(cluster: None, tmp_pa
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
+def test_a_vllm_engine_runs_as_a_ray_actor(cluster: None, tmp_path: Path) -> None:
+    from slime_async.launch.train_run import train
+
+    cfg = load_config(REPO / "configs/local_vllm.yaml", [*SMALL, f"run.dir={tmp_path}", "train.steps=3",
+                                                          "vllm.args.max_model_len=512", "rollout.max_staleness=0"])
+    summary = train(cfg, overwrite=True, console=Console(file=io.StringIO()), ray="")
+    run = tmp_path / "local_vllm"
+    records = metrics(run)
+    assert [m["version"] for m in records] == [1, 2, 3]
+    assert all(m["max_abs_dp"] < 1e-3 for m in records)  # every update reached vLLM (eta 0)
+    assert summary["parts"]["engine-0"].startswith("actor local_vllm.engine-0")
+    assert "vllm.entrypoints.openai.api_server" in (run / "logs" / "engine-0.log").read_text().splitlines()[0]
+
+
 def test_killed_engine_rollout_and_trainer_actors_are_replaced_and_the_run_completes(
     cluster: None, tmp_path: Path
 ) -> None:
