@@ -43,6 +43,32 @@ async def _rate(client_cls: type, url: str, prompts: list[list[int]]) -> float:
         return sum(len(g.output_ids) for g in gens) / (time.perf_counter() - start)
 
 
+async def _vllm_pauses(url: str, weights: list, repeats: int, disk: Path) -> list[float]:
+    """How long vLLM generates nothing per update: from `/pause` to `/resume` answering (the file is
+    already written; the same calls as `sync.vllm.vllm_push_disk`, timed around them alone)."""
+    import aiohttp
+
+    from slime_async.sync.disk import write_version
+    from slime_async.sync.vllm import with_tied_head
+
+    path = write_version(disk, 0, with_tied_head(weights)).resolve()
+    out = []
+    async with aiohttp.ClientSession() as s:
+        async def post(route: str, body: dict) -> None:
+            async with s.post(url + route, json=body) as r:
+                assert r.status == 200, (route, await r.text())
+
+        for version in range(repeats):
+            start = time.perf_counter()
+            await post("/pause?mode=keep", {})
+            await post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            await post("/reset_prefix_cache", {})
+            await post("/update_weight_version", {"new_version": str(100 + version)})
+            await post("/resume", {})
+            out.append(time.perf_counter() - start)
+    return out
+
+
 async def _publish_times(url: str, cfg: object, kind: str, weights: list, repeats: int, disk: Path) -> list[float]:
     from slime_async.sync import WeightPublisher
 
@@ -96,10 +122,14 @@ def measure(concurrencies: tuple[int, ...], rounds: int, repeats: int) -> Result
             v_times = asyncio.run(_publish_times(vllm_url, cfg, "vllm", weights, repeats, Path(disk)))
             embedded_cfg = load_config(REPO / "configs/local.yaml")
             e_times = asyncio.run(_publish_times(embedded.url, embedded_cfg, "embedded", weights, repeats, Path(disk)))
+            v_pauses = asyncio.run(_vllm_pauses(vllm_url, weights, repeats, Path(disk)))
         v_pub, e_pub = statistics.median(v_times), statistics.median(e_times)
-        details["update"] = {"vllm_s": v_times, "embedded_s": e_times,
+        v_pause = statistics.median(v_pauses)
+        details["update"] = {"vllm_s": v_times, "embedded_s": e_times, "vllm_pause_s": v_pauses,
                              "bytes": sum(t.numel() * t.element_size() for _, t in weights)}
         rows.append(["weight update ms (publish)", "tiny, disk vs tensor", v_pub * 1e3, e_pub * 1e3, v_pub / e_pub])
+        # the embedded engine's own pause (its loop held for the copy) is `slime-async bench engine`'s
+        rows.append(["generation pause ms", "vLLM: /pause .. /resume", v_pause * 1e3, "-", "-"])
     finally:
         vllm.stop()
         embedded.stop()
@@ -107,7 +137,8 @@ def measure(concurrencies: tuple[int, ...], rounds: int, repeats: int) -> Result
     c = 32 if 32 in details["decode"] else max(details["decode"])
     ratio = details["decode"][c]["vllm_tok_s"] / details["decode"][c]["embedded_tok_s"]
     headline = (f"vLLM / embedded decode tok/s at concurrency {c} (tiny, 2 CPU cores): {ratio:.2f}x "
-                f"(goal: measured side by side); weight update {v_pub * 1e3:.0f} ms vs {e_pub * 1e3:.0f} ms")
+                f"(goal: measured side by side); weight update {v_pub * 1e3:.0f} ms vs {e_pub * 1e3:.0f} ms "
+                f"(vLLM generates nothing for {v_pause * 1e3:.0f} ms of it)")
     return Result(columns=["measure", "case", "vLLM", "embedded", "vLLM / embedded"], rows=rows, headline=headline,
                   details=details)
 
