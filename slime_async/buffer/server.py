@@ -119,6 +119,7 @@ class BufferServer:
         self._waiting: list[_Waiting] = []
         self._timed_out: deque[int] = deque(maxlen=1024)
         self.rejected: Counter[str] = Counter()
+        self._logged: dict[str, float] = {}
         self.peers_expired = 0
         self.sessions = 0
         self._closed = False
@@ -306,9 +307,16 @@ class BufferServer:
             log.warning("buffer: sender %s silent for %.1f s: presumed dead", peer.name, self.cfg.heartbeat_timeout_s)
 
     def _count_reject(self, exc: Rejected, ident: bytes) -> None:
-        self.rejected[exc.reason.value] += 1
-        name = self._peers[ident].name if ident in self._peers else ident.hex()
-        log.warning("buffer: rejected a message from %s: %s", name, exc)
+        reason = exc.reason.value
+        self.rejected[reason] += 1
+        # one line per reason every 10 s at most: a peer sending junk must not flood the log (the
+        # counters in the metrics hold every one)
+        now = time.monotonic()
+        if now - self._logged.get(reason, -1e9) >= 10.0:
+            self._logged[reason] = now
+            name = self._peers[ident].name if ident in self._peers else ident.hex()
+            log.warning("buffer: rejected a message from %s (%d %s so far): %s", name, self.rejected[reason],
+                        reason, exc)
 
     # -- metrics, shutdown ------------------------------------------------------------------------
     def metrics(self) -> dict[str, int]:

@@ -13,7 +13,7 @@ Delivery is at-least-once (resent until acked) and the buffer de-duplicates by t
 the trainer sees each trajectory exactly once.
 """
 
-from slime_async.transport.frames import Rejected, RejectReason, decode_trajectory
+from slime_async.transport.frames import Rejected, RejectReason, check_values, decode_trajectory
 from slime_async.transport.security import (
     CurveKeys,
     InsecureEndpointError,
@@ -31,6 +31,7 @@ __all__ = [
     "Rejected",
     "SenderStats",
     "SyncSender",
+    "check_values",
     "decode_trajectory",
     "generate_keys",
     "is_loopback",

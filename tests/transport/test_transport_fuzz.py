@@ -10,32 +10,10 @@ import numpy as np
 from transport_helpers import make_trajectory
 
 from slime_async.transport import Rejected, decode_trajectory
+from slime_async.transport.fuzz import mutate
 from slime_async.types import Trajectory, to_msgpack
 
 N_INPUTS = 120_000
-
-
-def _mutate(frame: bytes, rng: np.random.Generator) -> bytes:
-    data = bytearray(frame)
-    op = rng.integers(6)
-    if op == 0:  # flip bits
-        for _ in range(rng.integers(1, 8)):
-            i = rng.integers(len(data))
-            data[i] ^= 1 << int(rng.integers(8))
-    elif op == 1:  # overwrite bytes
-        for _ in range(rng.integers(1, 8)):
-            data[rng.integers(len(data))] = rng.integers(256)
-    elif op == 2:  # truncate
-        del data[rng.integers(len(data)) :]
-    elif op == 3:  # insert random bytes
-        i = rng.integers(len(data) + 1)
-        data[i:i] = rng.integers(0, 256, rng.integers(1, 16), dtype=np.uint8).tobytes()
-    elif op == 4:  # delete a span
-        i = rng.integers(len(data))
-        del data[i : i + rng.integers(1, 16)]
-    else:  # splice in the msgpack type bytes that change a length or type (map/array/ext/str headers)
-        data[rng.integers(len(data))] = int(rng.choice([0xC4, 0xC7, 0xC8, 0xC9, 0xD4, 0xD9, 0xDC, 0xDD, 0xDE, 0xDF]))
-    return bytes(data)
 
 
 def test_decoder_never_crashes_on_120k_inputs() -> None:
@@ -50,7 +28,7 @@ def test_decoder_never_crashes_on_120k_inputs() -> None:
         if k % 10 == 0:
             data = rng.integers(0, 256, rng.integers(0, 64), dtype=np.uint8).tobytes()
         else:
-            data = _mutate(seeds[k % len(seeds)], rng)
+            data = mutate(seeds[k % len(seeds)], rng)
         try:
             result = decode_trajectory(data, max_bytes=1 << 20)
         except Rejected as exc:
