@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 
 import numpy as np
@@ -33,7 +31,7 @@ def _http(examples: int) -> tuple[Counter, int, bool, float]:
     from hypothesis import strategies as st
     from transformers import AutoModelForCausalLM
 
-    from slime_async.engine.fuzz import ADMIN_ROUTES, ALLOWED, request_bodies
+    from slime_async.engine.fuzz import ADMIN_ROUTES, ALLOWED, call, request_bodies
     from slime_async.launch.process import start_engine
     from slime_async.train.tiny_model import cached_model_dir
 
@@ -43,33 +41,26 @@ def _http(examples: int) -> tuple[Counter, int, bool, float]:
     statuses: Counter = Counter()
     crashes = [0]
 
-    def call(route: str, body: bytes | None) -> tuple[int, str]:
-        request = urllib.request.Request(url + route, body, {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                return response.status, response.read(2000).decode(errors="replace")
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read(2000).decode(errors="replace")
-
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(st.data())
     def one(data: st.DataObject) -> None:
         route, body = data.draw(request_bodies())
-        status, _ = call(route, body)
+        status, _ = call(url, route, body)
         statuses[(route, status)] += 1
         crashes[0] += status not in ALLOWED[route]
         if route in ADMIN_ROUTES:
-            call("/resume_memory_occupation", b"{}")
-            call("/continue_generation", b"{}")
-        crashes[0] += "loop has stopped" in call("/health", None)[1]
+            call(url, "/resume_memory_occupation", b"{}")
+            call(url, "/continue_generation", b"{}")
+        crashes[0] += "loop has stopped" in call(url, "/health", None)[1]
 
     start = time.perf_counter()
     try:
         one()
         seconds = time.perf_counter() - start
-        call("/update_weights_from_disk", json.dumps({"model_path": str(model_dir), "weight_version": "0"}).encode())
-        status, text = call("/generate", json.dumps({"input_ids": [5, 6, 7], "sampling_params": {
+        weights = {"model_path": str(model_dir), "weight_version": "0"}
+        call(url, "/update_weights_from_disk", json.dumps(weights).encode())
+        status, text = call(url, "/generate", json.dumps({"input_ids": [5, 6, 7], "sampling_params": {
             "max_new_tokens": 8, "temperature": 0.0}}).encode())
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         expected = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False, eos_token_id=None,

@@ -42,6 +42,20 @@ def train_command(run_dir: Path, *overrides: str, config: str = "configs/local.y
             *overrides]
 
 
+def start_training(command: list[str]) -> subprocess.Popen:
+    """`slime-async train` as its own session (a test can kill the launcher and all it started)."""
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True)
+
+
+def wait_for_steps(proc: subprocess.Popen, metrics_path: Path, steps: int, timeout: float = 300) -> None:
+    """Wait (bounded) until `metrics.jsonl` has `steps` lines: the trainer is inside its loop."""
+    deadline = time.monotonic() + timeout
+    while not (metrics_path.exists() and len(metrics_path.read_text().splitlines()) >= steps):
+        assert proc.poll() is None and time.monotonic() < deadline, f"training never reached step {steps}"
+        time.sleep(0.2)  # polling a file another process writes: there is nothing to wait on
+
+
 def test_a_black_box_agent_trains_through_every_part(tmp_path: Path) -> None:
     """configs/calculator_agent.yaml: the agent is an `openai` SDK program; its warm-start's
     demonstrations, the success checks, rollout and evaluation all go through the endpoint."""
@@ -94,16 +108,11 @@ def test_train_runs_every_part_and_accounts_for_every_trajectory(tmp_path: Path)
 
 
 def test_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    proc = subprocess.Popen(train_command(tmp_path, "train.steps=6", "train.checkpoint_every=1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            start_new_session=True)
+    proc = start_training(train_command(tmp_path, "train.steps=6", "train.checkpoint_every=1"))
     run = tmp_path / "local"
     metrics_path = run / "metrics.jsonl"
     try:
-        deadline = time.monotonic() + 300
-        while not (metrics_path.exists() and len(metrics_path.read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, "training never reached step 2"
-            time.sleep(0.2)
+        wait_for_steps(proc, metrics_path, 2)
         trainers = [p for p in processes_mentioning("slime_async.train.worker") if str(run) in
                     Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
         assert len(trainers) == 1

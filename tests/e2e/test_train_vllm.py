@@ -7,11 +7,10 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from test_train import REPO, processes_mentioning, train_command
+from test_train import REPO, processes_mentioning, start_training, train_command, wait_for_steps
 
 from slime_async.launch.vllm_command import SERVER_MODULE
 
@@ -55,17 +54,12 @@ def process_group_members(pgid: int) -> list[int]:
 
 
 def test_a_killed_vllm_is_replaced_and_its_processes_go_with_it(tmp_path: Path) -> None:
-    proc = subprocess.Popen(train_command(tmp_path, "train.steps=8", "vllm.args.max_model_len=512",
-                                          config="configs/local_vllm.yaml"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            start_new_session=True)
+    proc = start_training(train_command(tmp_path, "train.steps=8", "vllm.args.max_model_len=512",
+                                        config="configs/local_vllm.yaml"))
     run = tmp_path / "local_vllm"
     metrics_path = run / "metrics.jsonl"
     try:
-        deadline = time.monotonic() + 300
-        while not (metrics_path.exists() and len(metrics_path.read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, "training never reached step 2"
-            time.sleep(0.2)
+        wait_for_steps(proc, metrics_path, 2)
         (server,) = [p for p in processes_mentioning(SERVER_MODULE)
                      if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)]
         assert len(process_group_members(server)) >= 3  # the API server, its engine core and its worker

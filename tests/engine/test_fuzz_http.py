@@ -10,8 +10,6 @@ Derandomized, so a failure reproduces; `slime-async bench fuzz` runs the same wi
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +20,7 @@ from helpers import PROMPTS, hf_greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slime_async.engine.fuzz import ADMIN_ROUTES, ALLOWED, request_bodies
+from slime_async.engine.fuzz import ADMIN_ROUTES, ALLOWED, call, request_bodies
 from slime_async.launch.process import ChildProcess, start_engine
 
 EXAMPLES = 250
@@ -34,16 +32,6 @@ def fuzzed_engine(varied_model_dir: Path) -> Iterator[ChildProcess]:
     server = start_engine(varied_model_dir, "--max-batch-size", "4", "--context-length", "256")
     yield server
     server.stop()
-
-
-def call(url: str, route: str, body: bytes | None) -> tuple[int, str]:
-    """POST `body` (GET when None); the status and the start of the answer."""
-    request = urllib.request.Request(url + route, body, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read(2000).decode(errors="replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read(2000).decode(errors="replace")
 
 
 def test_no_request_gets_a_500_or_stops_the_engine(fuzzed_engine: ChildProcess, reference: torch.nn.Module,
