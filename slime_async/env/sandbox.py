@@ -5,16 +5,23 @@ Layers (each reported in `SandboxResult.isolation`, so a caller can see what it 
 - rlimits: CPU seconds, address space, file size, open files, no core dumps; and processes
   (`RLIMIT_NPROC`), which the kernel enforces only for a non-root user — hence:
 - user: when started as root, the code runs as `nobody` (uid/gid 65534), so it cannot write
-  anything that root owns; its own temporary directory is handed to `nobody`.
-- Linux namespaces, tried in order: network + mount + pid (as root; `unshare(2)`), else a user
-  namespace with network (unprivileged kernels allow it), else none.
-  network: a fresh namespace whose only interface is a loopback that is down; nothing connects.
-  mount: private tmpfs over /tmp, /var/tmp and /dev/shm, so world-writable places the code could
-  write to vanish with it; pid: a fresh /proc, and every process dies with the sandbox's first.
-- Fallback where no network namespace can be made (documented, weaker): an audit hook in the
-  sandboxed interpreter refuses sockets. It stops ordinary code, not a determined escape (ctypes
-  can bypass it); `isolation["network"]` is then "audit-hook", and tests that need real
-  isolation say so.
+  anything that root owns; its own temporary directory is handed to `nobody`. Where no Python
+  interpreter is runnable by `nobody`, the code is not run at all (exit 126, said on stderr):
+  model code never runs as root.
+- cgroup (where this process may make one: root, cgroup v1 or v2 with the memory and pids
+  controllers): `total_memory_mb` and `max_processes` for the call's processes together, and the
+  list of all of them, so that every one is killed when the call ends, also one that called
+  `setsid()` to leave the process group. Elsewhere the total is up to `memory_mb * max_processes`.
+- Linux namespaces. network, in every mode: a fresh namespace whose only interface is a loopback
+  that is down; nothing connects, a subprocess neither. With `namespaces=True` (the default) also
+  mount (private tmpfs over /tmp, /var/tmp and /dev/shm, so world-writable places the code could
+  write to vanish with it) and pid (a fresh /proc: no other process, its command line or its
+  signals are reachable, and every process dies with the sandbox's first) — as root directly, as
+  another user inside a user namespace (unprivileged kernels allow it).
+- Fallback where no network namespace can be made at all (documented, weaker): an audit hook in
+  the sandboxed interpreter refuses sockets and new processes (which the hook would not follow).
+  It stops ordinary code, not a determined escape (ctypes can bypass it); `isolation["network"]`
+  is then "audit-hook", and tests that need real isolation say so.
 - Processes: `RLIMIT_NPROC` counts every process of the user, so concurrent sandboxes (all
   `nobody`) share `max_processes`; size it for the concurrency.
 - Wall clock: the whole process group is killed (SIGKILL) past `wall_s`; output past
@@ -30,11 +37,15 @@ import shutil
 import signal
 import sys
 import tempfile
+import uuid
+from pathlib import Path
 from typing import Annotated
 
 import msgspec
 
 NOBODY = 65534
+INTERPRETERS = [os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"]
+"""Python interpreters the code may run under, first one that user `nobody` may execute (as root)."""
 
 
 class SandboxLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -53,6 +64,9 @@ class SandboxLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Of stdout and of stderr, each; the rest is dropped (and said so)."""
     tmpfs_mb: Annotated[int, msgspec.Meta(ge=1)] = 64
     """Size of each private tmpfs (/tmp, /var/tmp, /dev/shm) in the mount namespace."""
+    total_memory_mb: Annotated[int, msgspec.Meta(ge=32)] = 1024
+    """Memory of all the call's processes together (a cgroup, where one can be made; else each
+    process has `memory_mb` and the total is up to `memory_mb * max_processes`)."""
 
 
 class SandboxResult(msgspec.Struct, kw_only=True):
@@ -102,10 +116,78 @@ async def run_python(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+class _Cgroup:
+    """A memory and pids cgroup for one call, where this process may make one (root, cgroup v1 or
+    v2 with those controllers): a bound on the whole call's memory and processes (rlimits bound
+    each process only), and the list of every process it made, setsid or not, to kill at the end."""
+
+    ROOT = "/sys/fs/cgroup"
+
+    def __init__(self, limits: SandboxLimits) -> None:
+        self.dirs: list[str] = []
+        name = f"slime-sandbox-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        memory, pids = str(limits.total_memory_mb * 2**20), str(limits.max_processes)
+        v2 = os.path.join(self.ROOT, "cgroup.controllers")
+        try:
+            if os.path.exists(v2) and {"memory", "pids"} <= set(Path(v2).read_text().split()):
+                self._make(os.path.join(self.ROOT, name), {"memory.max": memory, "memory.swap.max": "0",
+                                                           "pids.max": pids})
+            elif os.path.isdir(os.path.join(self.ROOT, "memory")) and os.path.isdir(os.path.join(self.ROOT, "pids")):
+                self._make(os.path.join(self.ROOT, "memory", name), {"memory.limit_in_bytes": memory})
+                self._make(os.path.join(self.ROOT, "pids", name), {"pids.max": pids})
+        except OSError:  # not root, or no such controller: rlimits only (SandboxResult.isolation says so)
+            self.remove()
+
+    def _make(self, path: str, settings: dict[str, str]) -> None:
+        os.mkdir(path)
+        self.dirs.append(path)
+        for key, value in settings.items():
+            if os.path.exists(os.path.join(path, key)):
+                with open(os.path.join(path, key), "w") as f:
+                    f.write(value)
+
+    @property
+    def procs(self) -> list[str]:
+        return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
+    def pids(self) -> set[int]:
+        out: set[int] = set()
+        for path in self.procs:
+            with contextlib.suppress(OSError):
+                out |= {int(x) for x in Path(path).read_text().split()}
+        return out
+
+    async def kill_all(self, poll_s: float = 0.01, give_up_s: float = 10.0) -> None:
+        """SIGKILL every process of the call (those that left its process group too), until none is left."""
+        for _ in range(int(give_up_s / poll_s)):
+            alive = self.pids()
+            if not alive:
+                return
+            for pid in alive:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(poll_s)  # killed processes take a moment to exit and be reaped
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        self.dirs = []
+
+
 async def _run(workdir: str, limits: SandboxLimits, stdin: str, namespaces: bool) -> SandboxResult:
-    pythons = [os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"]
+    cgroup = _Cgroup(limits)
+    try:
+        return await _run_in(workdir, limits, stdin, namespaces, INTERPRETERS, cgroup)
+    finally:
+        await cgroup.kill_all()
+        cgroup.remove()
+
+
+async def _run_in(workdir: str, limits: SandboxLimits, stdin: str, namespaces: bool, pythons: list[str],
+                  cgroup: _Cgroup) -> SandboxResult:
     config = msgspec.json.encode(
-        {"workdir": workdir, "limits": limits, "pythons": pythons, "namespaces": namespaces}
+        {"workdir": workdir, "limits": limits, "pythons": pythons, "namespaces": namespaces, "cgroups": cgroup.procs}
     ).decode()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-I", "-S", "-c", _BOOTSTRAP, config,
@@ -122,10 +204,18 @@ async def _run(workdir: str, limits: SandboxLimits, stdin: str, namespaces: bool
             proc.stdin.write(stdin.encode())
             await proc.stdin.drain()
             proc.stdin.close()
-        try:
-            await asyncio.wait_for(proc.wait(), limits.wall_s)
-        except TimeoutError:
-            timed_out = True
+        # The call ends when its first process does. `proc.wait()` would also wait for the output
+        # pipes to close, which a process that left the group (setsid) keeps open: its returncode
+        # is looked at instead (a 5 s limit once took 78.5 s)
+        waiter = asyncio.ensure_future(proc.wait())
+        deadline = asyncio.get_running_loop().time() + limits.wall_s
+        while proc.returncode is None and not waiter.done():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                timed_out = True
+                break
+            await asyncio.wait({waiter}, timeout=min(left, 0.05))
+        waiter.cancel()
     finally:
         # Always, also on cancellation: no process of the sandbox outlives this call.
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -133,6 +223,7 @@ async def _run(workdir: str, limits: SandboxLimits, stdin: str, namespaces: bool
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
+        await cgroup.kill_all()  # what left the process group (setsid) is still in the cgroup
         await _until_gone(proc.pid)
         for r in readers:
             r.cancel()
@@ -195,11 +286,19 @@ cfg = json.loads(sys.argv[1]); lim = cfg["limits"]; workdir = cfg["workdir"]
 os.chdir(workdir)
 libc = ctypes.CDLL(None, use_errno=True)
 NEWNS, NEWNET, NEWPID, NEWUSER = 0x00020000, 0x40000000, 0x20000000, 0x10000000
-iso = {"network": "audit-hook", "mount": "none", "pid": "none", "user": "unchanged"}
-if not cfg["namespaces"]:
-    pass
-elif libc.unshare(NEWNET | NEWNS | NEWPID) == 0:
+for procs in cfg["cgroups"]:  # first of all: every process it makes is counted, and killed at the end
+    with open(procs, "w") as f:
+        f.write(str(os.getpid()))
+iso = {"network": "audit-hook", "mount": "none", "pid": "none", "user": "unchanged",
+       "cgroup": "memory+pids" if cfg["cgroups"] else "none"}
+# the network is closed in every mode; `namespaces` adds the mount and pid namespaces
+if cfg["namespaces"] and libc.unshare(NEWNET | NEWNS | NEWPID) == 0:
     iso.update(network="namespace", mount="namespace", pid="namespace")
+elif cfg["namespaces"] and libc.unshare(NEWUSER | NEWNET | NEWNS | NEWPID) == 0:
+    # not root (the usual cluster case): the same walls inside a user namespace
+    iso.update(network="user-namespace", mount="namespace", pid="namespace")
+elif libc.unshare(NEWNET) == 0:
+    iso.update(network="namespace")
 elif libc.unshare(NEWUSER | NEWNET) == 0:
     iso.update(network="user-namespace")
 if iso["mount"] == "namespace":
@@ -239,11 +338,12 @@ if os.geteuid() == 0:
     os.setegid(65534); os.seteuid(65534)
     python = next((p for p in cfg["pythons"] if os.access(p, os.X_OK, effective_ids=True)), None)
     os.seteuid(0); os.setegid(0)
-    if python is not None:
-        os.setgroups([]); os.setgid(65534); os.setuid(65534)
-        iso["user"] = "nobody"
-    else:
-        iso["user"] = "root (no interpreter that nobody may run)"
+    if python is None:  # never run model code as root
+        sys.stderr.write("sandbox: refusing to run model code as root: no Python interpreter that user nobody "
+                         "may run (tried " + ", ".join(cfg["pythons"]) + "); install python3 for all users\n")
+        os._exit(126)
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+    iso["user"] = "nobody"
 python = python or sys.executable
 sys.stderr.write("\x00sandbox-isolation " + json.dumps(iso) + "\n"); sys.stderr.flush()
 env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -253,6 +353,9 @@ runner = (
     "    def _hook(event, args):\n"
     "        if event.startswith(('socket.', 'urllib.')):\n"
     "            raise PermissionError('network access is not allowed in the sandbox')\n"
+    "        if event in ('subprocess.Popen', 'os.exec', 'os.posix_spawn', 'os.spawn', 'os.system', 'os.fork',\n"
+    "                     'os.forkpty', 'ctypes.dlopen'):\n"
+    "            raise PermissionError('no new processes without a network namespace (the hook would not follow)')\n"
     "    sys.addaudithook(_hook)\n"
     "del sys.argv[1]\n"
     "sys.path.insert(0, os.getcwd())\n"

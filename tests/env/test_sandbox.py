@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from slime_async.env import sandbox
 from slime_async.env.sandbox import SandboxLimits, run_python
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox uses Linux rlimits and namespaces")
@@ -34,7 +35,8 @@ async def test_runs_code_with_files_and_stdin() -> None:
     assert r.ok and r.stdout == "42\n" and r.stderr == ""
     assert gone(r.pgid)
     if os.geteuid() == 0:
-        assert r.isolation == {"network": "namespace", "mount": "namespace", "pid": "namespace", "user": "nobody"}
+        assert r.isolation == {"network": "namespace", "mount": "namespace", "pid": "namespace", "user": "nobody",
+                               "cgroup": "memory+pids"}
 
 
 async def test_failure_is_reported_not_raised() -> None:
@@ -182,16 +184,21 @@ def test_file_names_cannot_leave_the_directory() -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the fallback's user switch needs root")
 async def test_fallback_without_namespaces_still_contains(tmp_path: Path) -> None:
-    """Without namespaces: sockets refused by the audit hook, files by being `nobody`, bombs by rlimits."""
+    """Without the mount and pid namespaces: the network is still closed (a namespace: a subprocess of
+    the code once reached the engine on 127.0.0.1 past the audit hook), files refused by being
+    `nobody`, bombs stopped by rlimits and the cgroup."""
     code = textwrap.dedent("""
-        import os, socket
-        try:
-            socket.create_connection(("127.0.0.1", 9), timeout=1)
-            print("connected")
-        except PermissionError as exc:
-            print("blocked", exc)
-        except OSError as exc:
-            print("unexpected", exc)
+        import os, socket, subprocess, sys
+        for how in ("here", "a subprocess"):
+            probe = "import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)"
+            try:
+                if how == "here":
+                    exec(probe)
+                else:
+                    subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
+                print("connected", how)
+            except (OSError, subprocess.CalledProcessError):
+                print("no network", how)
         try:
             open("/etc/sandbox-fallback-escape", "w")
             print("wrote")
@@ -201,9 +208,80 @@ async def test_fallback_without_namespaces_still_contains(tmp_path: Path) -> Non
     """)
     r = await run_python(code, FAST, namespaces=False)
     assert r.exit_code == 0, r.stderr
-    assert r.isolation == {"network": "audit-hook", "mount": "none", "pid": "none", "user": "nobody"}
-    assert r.stdout.splitlines() == ["blocked network access is not allowed in the sandbox", "refused", "65534"]
+    assert r.isolation == {"network": "namespace", "mount": "none", "pid": "none", "user": "nobody",
+                           "cgroup": "memory+pids"}
+    assert r.stdout.splitlines() == ["no network here", "no network a subprocess", "refused", "65534"]
     Path("/etc/sandbox-fallback-escape").unlink(missing_ok=True)
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     r = await run_python(bomb, SandboxLimits(cpu_s=1, wall_s=2, max_processes=16), namespaces=False)
     assert not r.ok and gone(r.pgid)
+
+
+ESCAPER = textwrap.dedent("""
+    import os, sys, time
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()  # out of the sandbox's process group
+        time.sleep(10_000)
+    print(pid, flush=True)
+""")
+
+
+@pytest.mark.parametrize("namespaces", [True, False])
+async def test_a_process_that_leaves_the_process_group_ends_with_the_call(namespaces: bool) -> None:
+    # once: a 5 s limit took 78.5 s (the escaped child held the output pipe) and the child outlived it
+    r = await asyncio.wait_for(run_python(ESCAPER, SandboxLimits(wall_s=5), namespaces=namespaces), 120)
+    assert r.exit_code == 0 and not r.timed_out, r.stderr
+    if not namespaces:  # its pid is this machine's: it must be gone
+        pid = int(r.stdout.split()[0])
+        assert not Path(f"/proc/{pid}").exists() or "sleep" not in Path(f"/proc/{pid}/cmdline").read_text()
+    assert not [d for d in Path("/sys/fs/cgroup/pids").glob("slime-sandbox-*")]  # its cgroup is gone too
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the cgroup needs root here")
+async def test_memory_is_bounded_for_all_processes_together() -> None:
+    # rlimits bound each process: 8 children used 3 GB at memory_mb=512; the cgroup bounds the sum
+    code = textwrap.dedent("""
+        import os
+        kids = []
+        for _ in range(4):
+            pid = os.fork()
+            if pid == 0:
+                block = bytearray(300 * 1024 * 1024)  # zeroed: every page is touched
+                os._exit(0)
+            kids.append(pid)
+        print(sum(os.waitpid(k, 0)[1] == 0 for k in kids))
+    """)
+    r = await run_python(code, SandboxLimits(memory_mb=512, total_memory_mb=512, max_processes=16, wall_s=30))
+    assert r.isolation["cgroup"] == "memory+pids", r.isolation
+    assert r.exit_code == 0 and int(r.stdout) < 4, (r.stdout, r.stderr)  # some were stopped
+    r = await run_python(code, SandboxLimits(memory_mb=512, total_memory_mb=2048, max_processes=16, wall_s=30))
+    assert r.exit_code == 0 and int(r.stdout) == 4, (r.stdout, r.stderr)  # within the bound, all of them
+
+
+async def test_other_processes_and_their_command_lines_are_not_visible() -> None:
+    # once: the code read an engine's admin token from /proc/*/cmdline and killed its parent
+    code = textwrap.dedent("""
+        import os, signal
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+        lines = [open(f"/proc/{p}/cmdline", "rb").read() for p in pids]
+        print(len(pids), any(b"pytest" in line for line in lines))
+        try:
+            os.kill(os.getppid(), signal.SIGKILL)
+            print("killed", os.getppid())
+        except OSError as exc:
+            print("refused", exc.errno)
+    """)
+    r = await run_python(code, FAST)
+    assert r.isolation["pid"] == "namespace" and r.exit_code == 0, r.stderr
+    count, seen = r.stdout.split("\n")[0].split()
+    assert seen == "False" and int(count) <= 3  # the namespace's own: its init and the code
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="about running as root")
+async def test_model_code_never_runs_as_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    # once: where no interpreter was runnable by nobody, the code ran as root (read /etc/shadow)
+    monkeypatch.setattr(sandbox, "INTERPRETERS", ["/root/no-such-python"])
+    r = await run_python("print(open('/etc/shadow').read())", FAST)
+    assert r.exit_code == 126 and r.stdout == ""
+    assert "refusing to run model code as root: no Python interpreter that user nobody may run" in r.stderr
