@@ -297,6 +297,10 @@ if cfg["namespaces"] and libc.unshare(NEWNET | NEWNS | NEWPID) == 0:
 elif cfg["namespaces"] and libc.unshare(NEWUSER | NEWNET | NEWNS | NEWPID) == 0:
     # not root (the usual cluster case): the same walls inside a user namespace
     iso.update(network="user-namespace", mount="namespace", pid="namespace")
+    uid, gid = os.getuid(), os.getgid()  # mapped to themselves: files it makes need a mapped owner
+    for name, text in (("uid_map", "%d %d 1" % (uid, uid)), ("setgroups", "deny"), ("gid_map", "%d %d 1" % (gid, gid))):
+        with open("/proc/self/" + name, "w") as f:
+            f.write(text)
 elif libc.unshare(NEWNET) == 0:
     iso.update(network="namespace")
 elif libc.unshare(NEWUSER | NEWNET) == 0:

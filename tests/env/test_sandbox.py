@@ -5,13 +5,18 @@ outcome does not depend on this machine's speed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from slime_async.env import sandbox
@@ -285,3 +290,39 @@ async def test_model_code_never_runs_as_root(monkeypatch: pytest.MonkeyPatch) ->
     r = await run_python("print(open('/etc/shadow').read())", FAST)
     assert r.exit_code == 126 and r.stdout == ""
     assert "refusing to run model code as root: no Python interpreter that user nobody may run" in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/python3").exists(),
+                    reason="needs root to become another user, setpriv and a system python3")
+def test_another_user_gets_the_same_walls_inside_a_user_namespace() -> None:
+    # the usual cluster case: not root. The sandbox's own bootstrap, run as `nobody` (the parent side
+    # needs this project's packages, which a system python3 lacks); once, such a run let the code
+    # kill its parent and read another process's command line
+    top = Path(tempfile.mkdtemp(prefix="sandbox-unprivileged-"))  # pytest's own tmp is root's alone
+    work = top / "work"
+    work.mkdir()
+    (work / "main.py").write_text(textwrap.dedent("""
+        import os, socket
+        print(len([p for p in os.listdir("/proc") if p.isdigit()]))
+        try:
+            socket.create_connection(("127.0.0.1", 9), timeout=1)
+            print("network")
+        except OSError:
+            print("no network")
+        print(os.listdir("/tmp"))
+    """))
+    config = {"workdir": str(work), "limits": msgspec.to_builtins(FAST), "pythons": ["/usr/bin/python3"],
+              "namespaces": True, "cgroups": []}
+    for path in (top, work, work / "main.py"):
+        os.chown(path, 65534, 65534)
+    try:
+        done = subprocess.run(["/usr/bin/setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                               "/usr/bin/python3", "-I", "-S", "-c", sandbox._BOOTSTRAP, json.dumps(config)],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    status = done.stderr.partition("\n")[0]
+    assert done.returncode == 0, done.stderr
+    assert json.loads(status.split(" ", 1)[1]) == {"network": "user-namespace", "mount": "namespace",
+                                                   "pid": "namespace", "user": "unchanged", "cgroup": "none"}
+    assert done.stdout.splitlines() == ["1", "no network", "['sandbox']"]  # itself alone; a private /tmp
