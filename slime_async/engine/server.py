@@ -76,6 +76,8 @@ class EngineServer:
         self.started = time.time()
         self._weight_bytes = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values()) + 2**20
         """The most shared memory one update item may map: the model's own weights (and a little)."""
+        self._shared_since = time.time()
+        """Shared-memory files older than this were not made for the next update (`shared_tensors`)."""
         self._max_token_chars = max((len(t) for t in engine.tokenizer.get_vocab()), default=1) or 1
         """The longest token's length in characters (of its vocabulary string): bounds the text a context holds."""
 
@@ -355,10 +357,14 @@ class EngineServer:
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         try:
             req = await self._body(request, p.UpdateWeightsFromTensorReqInput)
-            tensors = await asyncio.to_thread(decode_named_tensors, req.serialized_named_tensors, self._weight_bytes)
+            arrived = time.time()
+            tensors = await asyncio.to_thread(decode_named_tensors, req.serialized_named_tensors, self._weight_bytes,
+                                              self._shared_since)
         except ValueError as exc:
             return web.json_response({"success": False, "message": str(exc)}, status=400)
         ok, message = await self._update(tensors, req.weight_version, req.abort_all_requests)
+        if ok:  # the next update's shared files are made after this one arrived
+            self._shared_since = arrived
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
     async def _update(self, tensors: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> tuple[bool, str]:

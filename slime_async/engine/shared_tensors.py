@@ -51,6 +51,8 @@ _MANAGER = re.compile(rb"^/[^\0]*/torch-shm-dir-[A-Za-z0-9_]+/manager\.sock$")
 _HANDLE = re.compile(rb"^/torch_\d+_\d+_\d+$")
 """A shared-memory file that torch made (`/dev/shm/torch_<pid>_<n>_<n>`)."""
 MAX_DIMS = 8
+_CLOCK_SLACK_S = 1.0
+"""File times and `time.time()` are one clock on one host; this covers their rounding."""
 
 
 class _Bad(pickle.UnpicklingError):
@@ -78,8 +80,9 @@ class _Rebuilders:
     """torch's rebuild functions with their arguments checked first; `budget` bounds the bytes of
     shared memory one item may map (the engine's own weights)."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, since: float) -> None:
         self.budget = budget
+        self.since = since
 
     def rebuild_tensor(self, cls: object, storage: object, metadata: object) -> torch.Tensor:
         if not isinstance(storage, _STORAGES) or not isinstance(metadata, tuple) or len(metadata) != 4:
@@ -106,9 +109,16 @@ class _Rebuilders:
             raise _Bad("rebuild_storage_filename: bad size or dtype")
         nbytes = size * (torch._utils._element_size(dtype) if dtype is not None else 1)
         try:  # map only what exists, whole: never create or grow another process's file
-            have = os.stat("/dev/shm" + handle.decode()).st_size
+            stat = os.stat("/dev/shm" + handle.decode())
         except OSError:
             raise _NotHere("rebuild_storage_filename: no such shared-memory file here") from None
+        have = stat.st_size
+        # made for this update: by this user (a root engine could otherwise read anyone's), since the
+        # engine's last update (the trainer shares a fresh copy for each; another process's older file
+        # is not one)
+        if stat.st_uid != os.geteuid() or stat.st_mtime < self.since - _CLOCK_SLACK_S:
+            raise _Bad("rebuild_storage_filename: the file was not made for this update (another user's, or "
+                       "older than the engine's last update)")
         if nbytes > have or nbytes > self.budget:
             raise _Bad(f"rebuild_storage_filename: {nbytes} bytes asked, the file has {have}, the engine's "
                        f"weights {self.budget}")
@@ -139,9 +149,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
     """Only what this format needs: torch's rebuilders (checked, `_Rebuilders`), class names
     (`_Class`), dtypes and `torch.Size`; any other global is refused, as SGLang's `SafeUnpickler` does."""
 
-    def __init__(self, file: io.BytesIO, budget: int) -> None:
+    def __init__(self, file: io.BytesIO, budget: int, since: float) -> None:
         super().__init__(file)
-        self.rebuilders = _Rebuilders(budget)
+        self.rebuilders = _Rebuilders(budget, since)
 
     def find_class(self, module: str, name: str) -> object:
         if module == "torch.multiprocessing.reductions" and name.startswith("rebuild_") and hasattr(
@@ -176,11 +186,11 @@ def is_pickle(raw: bytes) -> bool:
     return raw[:1] == b"\x80" and raw[8:9] != b"{"
 
 
-def deserialize_shared(raw: bytes, index: int, budget: int) -> dict[str, torch.Tensor]:
-    """The tensors of one item, mapping at most `budget` bytes of shared memory; a ValueError names
-    the item and what is wrong with it."""
+def deserialize_shared(raw: bytes, index: int, budget: int, since: float = 0.0) -> dict[str, torch.Tensor]:
+    """The tensors of one item, mapping at most `budget` bytes of shared memory of files this user
+    made since `since` (a Unix time); a ValueError names the item and what is wrong with it."""
     try:
-        obj = _RestrictedUnpickler(io.BytesIO(raw), budget).load()
+        obj = _RestrictedUnpickler(io.BytesIO(raw), budget, since).load()
     except pickle.UnpicklingError as exc:
         raise ValueError(f"serialized_named_tensors[{index}]: {exc}") from None
     except Exception as exc:  # a handle that cannot be opened here: another GPU, host or process gone

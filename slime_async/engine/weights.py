@@ -34,10 +34,12 @@ def encode_named_tensors(tensors: dict[str, torch.Tensor]) -> str:
     return base64.b64encode(safetensors_bytes(tensors)).decode("ascii")
 
 
-def decode_named_tensors(serialized: list[bytes] | list[str], shared_budget: int = 2**40) -> dict[str, torch.Tensor]:
+def decode_named_tensors(serialized: list[bytes] | list[str], shared_budget: int = 2**40,
+                         shared_since: float = 0.0) -> dict[str, torch.Tensor]:
     """The tensors of every item (items already base64-decoded, or base64 strings). An item is
     either `encode_named_tensors`' safetensors file or SGLang's own pickled tensor handles
-    (`shared_tensors`, mapping at most `shared_budget` bytes each); a ValueError names the bad item."""
+    (`shared_tensors`: at most `shared_budget` bytes each, of files made since `shared_since`); a
+    ValueError names the bad item."""
     tensors: dict[str, torch.Tensor] = {}
     for i, item in enumerate(serialized):
         try:
@@ -45,7 +47,7 @@ def decode_named_tensors(serialized: list[bytes] | list[str], shared_budget: int
         except ValueError as exc:
             raise ValueError(f"serialized_named_tensors[{i}]: not base64 ({exc})") from None
         if is_pickle(raw):
-            tensors.update(deserialize_shared(raw, i, shared_budget))
+            tensors.update(deserialize_shared(raw, i, shared_budget, shared_since))
             continue
         try:
             tensors.update(load_safetensors(raw))

@@ -90,3 +90,14 @@ def test_the_budget_bounds_what_one_item_maps() -> None:
     raw = base64.b64decode(serialize_shared([("w", w)]))
     with pytest.raises(ValueError, match="the engine's weights 100"):
         deserialize_shared(raw, 0, budget=100)
+
+
+def test_a_file_older_than_the_last_update_is_not_opened() -> None:
+    # a torch shared-memory file of another process (a vLLM's, an earlier update's) is not this one's
+    w = torch.randn(128)
+    raw = base64.b64decode(serialize_shared([("w", w)]))
+    handle = [arg for op, arg, _ in pickletools.genops(raw) if op.name in ("SHORT_BINBYTES", "BINBYTES")][1]
+    made = os.stat("/dev/shm" + handle.decode()).st_mtime
+    with pytest.raises(ValueError, match="not made for this update"):
+        deserialize_shared(raw, 0, budget=2**20, since=made + 60)  # the engine updated since
+    assert torch.equal(deserialize_shared(raw, 0, budget=2**20, since=made)["w"], w)

@@ -4,6 +4,7 @@ retries, all-or-nothing pushes, and the NCCL endpoints' refusal by the embedded 
 from __future__ import annotations
 
 import copy
+import re
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -193,8 +194,8 @@ async def test_engine_that_cannot_open_the_handles_gets_safetensors(engine, base
 
     def unreachable_handles(named):  # handles that name shared-memory files this host does not have
         raw = base64.b64decode(real(named))
-        assert b"/torch_" in raw
-        return base64.b64encode(raw.replace(b"/torch_", b"/torch_9")).decode()
+        assert b"/torch_" in raw  # the same length (a pickle's byte strings carry theirs): another number
+        return base64.b64encode(re.sub(rb"(/torch_\d+_)(\d+)", lambda m: m[1] + b"7" * len(m[2]), raw)).decode()
 
     monkeypatch.setattr(publisher, "serialize_shared", unreachable_handles)
     async with WeightPublisher([engine.url], fast(mode="tensor", tensor_format="shared")) as pub:
