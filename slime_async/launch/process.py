@@ -8,7 +8,6 @@ trainer).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import os
@@ -17,9 +16,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+REAP_GRACE_S = 10.0
+"""How long what a group's leader left behind gets to end by itself (SIGTERM) before SIGKILL."""
 
 
 @dataclass
@@ -35,6 +38,8 @@ class ChildProcess:
     log_path: Path | None = None
     own_group: bool = False
     """It leads a process group of its own: once it is gone, whatever it started goes too (`_reap`)."""
+    _terminated: float | None = None
+    _reaped: bool = False
 
     @property
     def url(self) -> str:  # engines: the URL they serve on
@@ -47,14 +52,30 @@ class ChildProcess:
     def alive(self) -> bool:
         return self._reap(self.proc.poll()) is None
 
-    def _reap(self, code: int | None) -> int | None:
-        """Once the leader exited, SIGKILL what is left of its group: a vLLM server killed by SIGKILL
-        (or crashed) leaves its engine-core and worker processes running, holding GBs of memory, and
-        they do not notice (seen: still there 15 s later)."""
-        if code is not None and self.own_group:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        return code
+    def _reap(self, code: int | None, wait: bool = False) -> int | None:
+        """Once the leader exited, end what is left of its group: a vLLM server killed by SIGKILL (or
+        crashed) leaves its engine-core and worker processes running, holding GBs of memory, and
+        they do not notice (seen: still there 15 s later). SIGTERM first, so that they (and the
+        resource tracker) remove their shared-memory files (a SIGKILL left 400 MB in /dev/shm per
+        server), SIGKILL what is left after `REAP_GRACE_S`. Without `wait`, one step per call."""
+        if code is None or not self.own_group or self._reaped:
+            return code
+        deadline = (self._terminated or time.monotonic()) + REAP_GRACE_S
+        while True:
+            try:
+                if self._terminated is None:
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                    self._terminated = time.monotonic()
+                elif time.monotonic() >= deadline:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self._reaped = True
+                else:
+                    os.killpg(self.proc.pid, 0)  # anyone left?
+            except (ProcessLookupError, PermissionError):
+                self._reaped = True  # the group is empty
+            if self._reaped or not wait:
+                return code
+            time.sleep(0.1)  # they are shutting down: look again
 
     def exit_reason(self) -> str:
         return f"exited with code {self.proc.poll()}"
@@ -71,7 +92,7 @@ class ChildProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        return self._reap(self.proc.returncode)
+        return self._reap(self.proc.returncode, wait=True)
 
 
 EngineProcess = ChildProcess
