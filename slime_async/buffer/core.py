@@ -520,6 +520,11 @@ class Buffer:
             self.wal.close()
 
     # -- accounting ------------------------------------------------------------------------------
+    @property
+    def stored(self) -> int:
+        """Trajectories held and not yet handed out (pending + ready): what `capacity` bounds."""
+        return self._n["pending"] + self._n["ready"]
+
     def metrics(self) -> dict[str, int]:
         """Counters and gauges; `received == trained + pending + ready + delivered + applied + dropped_total`
         (`buffered` is the four in the middle)."""

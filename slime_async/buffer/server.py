@@ -218,7 +218,7 @@ class BufferServer:
                 # A sender we do not know (we restarted, or forgot it): keep its data, ask it to say
                 # HELLO so that it gets credits and resends whatever we never acked.
                 out.append([ident, p.RESET, p.pack_u64(session)])
-            allowed = max(0, self.cfg.capacity - self._stored())  # an earlier session's data: the same bound
+            allowed = max(0, self.cfg.capacity - self.buffer.stored)  # an earlier session's data: the same bound
         ack = acks[ident]
         for i, (seq, payload) in enumerate(zip(seqs, payloads, strict=True)):
             if i >= allowed:
@@ -249,7 +249,7 @@ class BufferServer:
             )
         self._peers[ident] = peer = _Peer(hello.sender, session, last_seen=time.monotonic())
         self.sessions += 1
-        if self._stored() < self.cfg.capacity:  # its first credits at once: DATA may follow in this step
+        if self.buffer.stored < self.cfg.capacity:  # its first credits at once: DATA may follow in this step
             peer.granted = self.cfg.sender_credits
             self.sock.send_multipart([ident, p.GRANT, p.pack_u64(session), p.pack_u64(peer.granted)])
 
@@ -286,12 +286,8 @@ class BufferServer:
                 still.append(w)
         self._waiting = still
 
-    def _stored(self) -> int:
-        m = self.buffer.metrics()
-        return m["pending"] + m["ready"]
-
     def _grant(self) -> None:
-        if self._stored() >= self.cfg.capacity:
+        if self.buffer.stored >= self.cfg.capacity:
             return  # full: senders wait until the trainer takes batches
         for ident, peer in self._peers.items():
             target = peer.received + self.cfg.sender_credits
