@@ -49,6 +49,16 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
+    stop_window: int = 1
+    """Output tokens whose text a stop string is looked for in: SGLang's longest stop string in
+    tokens, plus one (a stop string may start inside a token)."""
+    input_logprob_start: int | None = None
+    """SGLang's `logprob_start_len` when prompt logprobs are asked for (0..len(prompt)), else None."""
+    input_logprobs: list[tuple[float | None, int]] | None = None
+    """(logprob, token) from `input_logprob_start` on; the first logprob is None, as in SGLang."""
+    retractions: int = 0
+    request: Any = None
+    """What the server keeps of the request this sequence answers (the engine never reads it)."""
     slot: int | None = None
     cached: int = 0
     """Tokens of prompt + output whose keys and values are in the slot's cache."""
@@ -83,6 +93,7 @@ class Engine:
         self._copy_in = InPlaceCopier(self._params)
         self.decoder = make_decoder(self.slots, cuda_graphs)
         """The decode step: eager on CPU, CUDA graphs per batch-size bucket on a GPU."""
+        self.seed = seed
         self.generator = torch.Generator(device=self.slots.device).manual_seed(seed)
         self.weight_version = weight_version
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) or model.config.eos_token_id
@@ -145,7 +156,7 @@ class Engine:
                 log.exception("engine step failed; aborting the %d requests it held", len(self.running) +
                               len(self.waiting))
                 for seq in [*self.running, *self.waiting]:
-                    self._finish(seq, {"type": "abort", "message": f"engine error: {exc!r}"})
+                    self._finish(seq, abort_reason(f"engine error: {exc!r}"))
                 self.waiting.clear()
                 self.errors += 1
 
@@ -170,17 +181,41 @@ class Engine:
         batch: list[Sequence] = []
         while self.waiting and len(batch) < room:
             seq = self.waiting[0]
+            if seq.params.max_new_tokens == 0:  # SGLang's prefill-only request: scores, no token
+                self.waiting.popleft()
+                if seq.input_logprob_start is not None:
+                    self._prompt_logprobs(seq, len(self.running) + len(batch))
+                self._finish(seq, {"type": "length", "length": 0})
+                continue
             length = seq.length  # after a retract, re-prefill what was generated too
             # one forward pads every prompt to the longest: bound the padded size, not just the sum
             if batch and (len(batch) + 1) * max(length, max(s.length for s in batch)) > PREFILL_TOKENS:
                 break
             batch.append(self.waiting.popleft())
+        if not batch:
+            return
         first = len(self.running)
+        for i, seq in enumerate(batch):  # before the batch's prefill, which then rewrites the slots
+            if seq.input_logprob_start is not None and seq.input_logprobs is None:
+                self._prompt_logprobs(seq, first + i)
         logits = self.slots.prefill_batch(first, [s.prompt + s.output for s in batch])
         for i, seq in enumerate(batch):
             seq.slot, seq.cached = first + i, seq.length
             self.running.append(seq)
         self._sample(batch, logits)
+
+    def _prompt_logprobs(self, seq: Sequence, slot: int) -> None:
+        """SGLang's `input_token_logprobs`: each prompt token's logprob given the tokens before it
+        (plain log-softmax, no temperature), from `input_logprob_start` on. A second prefill of this
+        one prompt with every position's logits: only requests that ask pay for it."""
+        start = seq.input_logprob_start or 0
+        if start >= len(seq.prompt):
+            seq.input_logprobs = []
+            return
+        logits = self.slots.prefill(slot, seq.prompt, all_logits=True)
+        targets = torch.tensor(seq.prompt[start + 1:], device=logits.device)
+        scores = torch.log_softmax(logits[start:-1].float(), dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+        seq.input_logprobs = [(None, seq.prompt[start]), *zip(scores, seq.prompt[start + 1:], strict=True)]
 
     def _decode(self) -> None:
         batch = list(self.running)
@@ -219,18 +254,19 @@ class Engine:
                 seq.on_update(seq)
 
     def _stop_reason(self, seq: Sequence, token: int) -> dict[str, Any] | None:
+        """SGLang's order (`Req.update_finish_state`): a stop string, then a stop token or EOS (both
+        off under `ignore_eos`), then the length budget."""
         p = seq.params
-        if not p.ignore_eos and token in self.eos_ids:
-            return {"type": "stop", "matched": token}
-        if p.stop_token_ids and token in p.stop_token_ids:
-            return {"type": "stop", "matched": token}
         if p.stop:
-            tail = self.tokenizer.decode(seq.output[-32:])
+            # SGLang: the stop string anywhere in the decoded tail of (its length in tokens + 1)
+            tail = self.tokenizer.decode(seq.output[-seq.stop_window:])
             for stop in [p.stop] if isinstance(p.stop, str) else p.stop:
-                if stop and tail.endswith(stop):
+                if stop and stop in tail:
                     return {"type": "stop", "matched": stop}
+        if not p.ignore_eos and (token in self.eos_ids or (p.stop_token_ids and token in p.stop_token_ids)):
+            return {"type": "stop", "matched": token}
         if len(seq.output) >= p.max_new_tokens:
-            return {"type": "length", "length": len(seq.output)}
+            return {"type": "length", "length": p.max_new_tokens}
         if seq.length >= self.context_length:
             return {"type": "length", "length": len(seq.output)}
         return None
@@ -259,15 +295,18 @@ class Engine:
     # --- control (run on the engine thread through `call`) --------------------------------
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
-        """Finish matching sequences now with finish_reason abort; they keep their partial output."""
-        victims = [
-            s for s in [*self.running, *self.waiting]
-            if abort_all or s.rid == rid or s.rid.startswith(f"{rid}-")
-        ]
+        """Finish matching sequences now with finish_reason abort; they keep their partial output.
+
+        As SGLang's scheduler: every request whose id starts with `rid` (the samples of an n > 1
+        request and the prompts of a batch carry it as a prefix); an empty `rid` matches nothing
+        unless `abort_all`."""
+        if not abort_all and not rid:
+            return 0
+        victims = [s for s in [*self.running, *self.waiting] if abort_all or s.rid.startswith(rid)]
         for seq in victims:
             if seq in self.waiting:
                 self.waiting.remove(seq)
-            self._finish(seq, {"type": "abort", "message": "aborted"})
+            self._finish(seq, abort_reason())
         return len(victims)
 
     def pause(self, mode: str) -> int:
@@ -280,6 +319,7 @@ class Engine:
             for seq in reversed(retracted):
                 self.running.remove(seq)
                 seq.slot, seq.cached = None, 0
+                seq.retractions += 1
                 self.waiting.appendleft(seq)
             return len(retracted)
         return len(self.running)
@@ -353,6 +393,12 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def abort_reason(message: str = "Aborted") -> dict[str, Any]:
+    """SGLang's `FINISH_ABORT(...).to_json()`. A status code would turn the reply into an HTTP error
+    in SGLang's tokenizer manager; the embedded engine's aborts keep their partial output (200)."""
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
 
 def version_spans(versions: list[str]) -> list[dict[str, Any]]:

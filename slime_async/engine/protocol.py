@@ -15,10 +15,19 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+Selector = Literal["target", "draft", "all"]
 
 
 class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
+
+
+class _Control(_Body):
+    """A control body. SGLang's `BaseReq` gives every one a `rid` and an `http_worker_ipc` (its
+    multi-tokenizer routing): accepted, and without effect here, as on a one-tokenizer SGLang."""
+
+    rid: str | None = None
+    http_worker_ipc: str | None = None
 
 
 class SamplingParams(_Body):
@@ -29,10 +38,11 @@ class SamplingParams(_Body):
     """0 is greedy."""
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: int = -1
-    """-1 (or 0) disables top-k."""
+    """-1 disables top-k; otherwise at least 1 (SGLang refuses 0 and other negatives)."""
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     stop: str | list[str] | None = None
-    """Stop strings: generation ends when the decoded output ends with one (it stays in the output)."""
+    """Stop strings (at most 32): generation ends when one appears in the decoded tail; `text` is cut
+    before it unless `no_stop_trim` (`output_ids` keep every generated token)."""
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: Annotated[int, msgspec.Meta(ge=1)] = 1
@@ -60,19 +70,28 @@ class SamplingParams(_Body):
 
 
 class GenerateReqInput(msgspec.Struct, kw_only=True):
-    """`POST /generate`: one prompt (text or token ids), sampled `n` times. Unknown keys are ignored."""
+    """`POST /generate`: one prompt (text or token ids) or a batch of them, each sampled `n` times.
 
-    rid: str | None = None
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: SamplingParams | None = None
-    return_logprob: bool = False
-    logprob_start_len: int | None = None
+    Batch fields as in SGLang: `text` a list, `input_ids` a list of lists, and `rid`,
+    `sampling_params`, `return_logprob`, `logprob_start_len` either one value for every prompt or a
+    list with one per prompt (`server.normalize` checks the shapes). Unknown keys are ignored.
+    """
+
+    rid: str | list[str] | None = None
+    text: str | list[str] | None = None
+    input_ids: list[int | list[int]] | None = None
+    """A list of token ids, or a list of such lists (a batch); never a mix."""
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    """Where `input_token_logprobs` start in the prompt; -1 (default): none, only the output's."""
     stream: bool = False
     sampling_logprobs_mode: Literal["selected"] | None = None
     """Only SGLang's default is supported: the logprob of the sampled token (see `sampling`)."""
     return_text_in_logprobs: bool = False
     # SGLang's, not implemented here: refused unless neutral (see `unsupported_fields`)
+    input_embeds: Any = None
+    watermark: Any = None
     top_logprobs_num: Any = None
     token_ids_logprob: Any = None
     return_hidden_states: Any = None
@@ -108,34 +127,50 @@ _NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetit
 UNSUPPORTED_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__[
     SamplingParams.__struct_fields__.index("stop_regex"):])
 UNSUPPORTED_GENERATE_FIELDS = frozenset(GenerateReqInput.__struct_fields__[
-    GenerateReqInput.__struct_fields__.index("top_logprobs_num"):])
+    GenerateReqInput.__struct_fields__.index("input_embeds"):])
 
 
 def unsupported_fields(req: GenerateReqInput) -> list[str]:
     """Paths of the SGLang features a request asks for that the embedded engine does not have."""
-    found = [name for name in UNSUPPORTED_GENERATE_FIELDS if getattr(req, name) not in (None, False, 0, [], {}, "")]
-    if req.sampling_params is not None:
+    found = {name for name in UNSUPPORTED_GENERATE_FIELDS if not _neutral(getattr(req, name))}
+    params = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params]
+    for sp in params:
+        if sp is None:
+            continue
         for name in UNSUPPORTED_SAMPLING_FIELDS:
-            value = getattr(req.sampling_params, name)
+            value = getattr(sp, name)
             if value != _NEUTRAL_SAMPLING.get(name) and value not in (None, [], {}):
-                found.append(f"sampling_params.{name}")
+                found.add(f"sampling_params.{name}")
     return sorted(found)
 
 
-class AbortReq(_Body):
-    rid: str = ""
+def _neutral(value: Any) -> bool:
+    """SGLang's "not asked for": None, false, 0, empty, or a batch's list of those."""
+    if isinstance(value, list) and value:
+        return all(_neutral(v) for v in value)
+    return value in (None, False, 0, [], {}, "")
+
+
+class AbortReq(_Control, kw_only=True):
+    """`/abort_request`: every request whose id starts with `rid` (SGLang's prefix match), or all.
+    SGLang's HTTP handler reads only `rid` and `abort_all`; the other fields are its internal
+    messages' and are accepted and ignored as there."""
+
     abort_all: bool = False
+    finished_reason: dict[str, Any] | None = None
+    abort_message: str | None = None
+    weight_versions: Any = None
 
 
-class PauseGenerationReqInput(_Body):
+class PauseGenerationReqInput(_Control, kw_only=True):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
-class ContinueGenerationReqInput(_Body):
+class ContinueGenerationReqInput(_Control, kw_only=True):
     torch_empty_cache: bool = True
 
 
-class UpdateWeightFromDiskReqInput(_Body):
+class UpdateWeightFromDiskReqInput(_Control, kw_only=True):
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
@@ -143,9 +178,15 @@ class UpdateWeightFromDiskReqInput(_Body):
     flush_cache: bool = True
     keep_pause: bool = False
     torch_empty_cache: bool = False
+    # Declared by SGLang 0.5.23 and read by none of its code: accepted and without effect, as there.
+    is_async: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    manifest: dict[str, Any] | None = None
+    """Tensor metadata for some of SGLang's load formats: refused unless absent."""
 
 
-class UpdateWeightsFromTensorReqInput(_Body):
+class UpdateWeightsFromTensorReqInput(_Control, kw_only=True):
     serialized_named_tensors: list[bytes]
     """Base64 strings: SGLang's pickled tensor handles (CUDA IPC; `engine.shared_tensors`), which the
     embedded engine also takes, or base64 of a safetensors file (the embedded engine only). Typed as
@@ -154,24 +195,27 @@ class UpdateWeightsFromTensorReqInput(_Body):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
+    selector: Selector = "all"
+    """Which of SGLang's models (target, speculative draft, all): the embedded engine has no draft
+    model, so "draft" is refused (`refused_update_fields`)."""
     torch_empty_cache: bool = False
 
 
-class UpdateWeightVersionReqInput(_Body):
+class UpdateWeightVersionReqInput(_Control, kw_only=True):
     new_version: str
     abort_all_requests: bool = True
 
 
-class ReleaseMemoryOccupationReqInput(_Body):
+class ReleaseMemoryOccupationReqInput(_Control, kw_only=True):
     tags: list[Literal["kv_cache", "weights", "cuda_graph"]] | None = None
     """What to give back; None or []: everything (SGLang's `GPU_MEMORY_ALL_TYPES`)."""
 
 
-class ResumeMemoryOccupationReqInput(_Body):
+class ResumeMemoryOccupationReqInput(_Control, kw_only=True):
     tags: list[Literal["kv_cache", "weights", "cuda_graph"]] | None = None
 
 
-class InitWeightsUpdateGroupReqInput(_Body):
+class InitWeightsUpdateGroupReqInput(_Control, kw_only=True):
     master_address: str
     master_port: int
     rank_offset: int
@@ -180,7 +224,7 @@ class InitWeightsUpdateGroupReqInput(_Body):
     backend: str = "nccl"
 
 
-class UpdateWeightsFromDistributedReqInput(_Body):
+class UpdateWeightsFromDistributedReqInput(_Control, kw_only=True):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -189,6 +233,18 @@ class UpdateWeightsFromDistributedReqInput(_Body):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+    selector: Selector = "all"
+    torch_empty_cache: bool = False
+
+
+def refused_update_fields(req: Any) -> list[str]:
+    """The fields of a weight-update body that ask for what the embedded engine has not got."""
+    found = []
+    if getattr(req, "selector", "all") == "draft":
+        found.append("selector: the embedded engine has no speculative draft model")
+    if getattr(req, "manifest", None) is not None:
+        found.append("manifest: not supported by the embedded engine (SGLang has it)")
+    return found
 
 
 def decode_body(data: bytes, type: type[Any]) -> Any:

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from slime_async.config.schema import is_loopback_host as is_loopback
 from slime_async.engine import protocol as p
+from slime_async.engine import requests
 from slime_async.engine.core import Engine, Sequence, version_spans
 from slime_async.engine.weights import decode_named_tensors, read_checkpoint
 
@@ -33,6 +34,12 @@ ADMIN_PATHS = {
     "/resume_memory_occupation",
 }
 
+
+SGLANG_API_VERSION = "0.5.23"
+"""The SGLang release whose HTTP API the engine speaks (`/server_info`'s `version`)."""
+
+MAX_STOP_COUNT = 32
+"""SGLang's `MAX_STOP_COUNT`: stop strings per request."""
 
 GENERATE_MAX_BYTES = 16 * 2**20
 """Largest `/generate` body: a context of token ids is a few hundred KB of JSON. Weight updates keep
@@ -114,8 +121,9 @@ class EngineServer:
         return self._awaiting_weights() or web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        seqs = await self._run(p.GenerateReqInput(input_ids=[0], sampling_params=p.SamplingParams(
-            max_new_tokens=1, temperature=0.0)), "health")
+        seq = Sequence(rid=f"health-{uuid.uuid4().hex}", prompt=[0],
+                       params=p.SamplingParams(max_new_tokens=1, temperature=0.0))
+        seqs = await self._run([seq])
         return web.Response(status=200 if seqs else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -139,19 +147,37 @@ class EngineServer:
         })
 
     async def server_info(self, request: web.Request) -> web.Response:
+        """SGLang's `/server_info`: its server arguments that mean something here (those SGLang's own
+        tools read among them: `tokenizer_path`, `page_size`, `disable_radix_cache`,
+        `speculative_eagle_topk`, `internal_states`), with this engine's values."""
         e = self.engine
+        state = {
+            "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting), "paused": e.paused,
+            "decode_steps": e.steps, "generated_tokens": e.generated_tokens, "finished_reqs": e.finished,
+            "aborted_reqs": e.aborted, "memory_released": sorted(e.released),
+            "startup_time": self.started, "effective_max_running_requests_per_dp": e.max_batch_size,
+        }
         return web.json_response({
+            "version": SGLANG_API_VERSION,
+            "engine": "slime_async embedded",
             "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "served_model_name": self.model_path,
+            "skip_tokenizer_init": False,
             "weight_version": e.weight_version,
+            "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1,
+            "page_size": 1,
+            "disable_radix_cache": True,  # no prefix cache outlives a request
+            "speculative_algorithm": None,
+            "speculative_eagle_topk": None,
+            "device": e.slots.device.type,
+            "random_seed": e.seed,
             "max_running_requests": e.max_batch_size,
             "context_length": e.context_length,
             "max_total_num_tokens": e.max_batch_size * e.context_length,
-            "engine": "slime_async embedded",
-            "internal_states": [{
-                "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting), "paused": e.paused,
-                "decode_steps": e.steps, "generated_tokens": e.generated_tokens,
-                "finished_reqs": e.finished, "aborted_reqs": e.aborted, "memory_released": sorted(e.released),
-            }],
+            "max_req_input_len": e.context_length - 1,
+            "startup_time": self.started,
+            "internal_states": [state],
         })
 
     # --- generation ---------------------------------------------------------------------
@@ -167,108 +193,139 @@ class EngineServer:
             return error(413, f"/generate: a body over {GENERATE_MAX_BYTES} bytes")
         try:
             req = p.decode_body(body, p.GenerateReqInput)
-            prompt = await self._validate(req)
+            unsupported = p.unsupported_fields(req)
+            if unsupported:
+                raise ValueError(f"{', '.join(unsupported)}: not supported by the embedded engine (SGLang has it)")
+            prompts, single = requests.split(req, self.engine.max_batch_size)
+            seqs = await self._sequences(req, prompts)
         except ValueError as exc:
             return error(400, str(exc))
         if req.stream:
-            return await self._stream(request, req, prompt)
-        seqs = await self._run(req, req.rid or uuid.uuid4().hex, prompt)
-        outs = [self._output(req, s) for s in seqs]
-        return web.json_response(outs[0] if len(outs) == 1 else outs)
+            return await self._stream(request, req, seqs, single)
+        done = await self._run(seqs)
+        outs = [self._output(req, s) for s in done]
+        return web.json_response(outs[0] if single else outs)
 
-    async def _validate(self, req: p.GenerateReqInput) -> list[int]:
-        unsupported = p.unsupported_fields(req)
-        if unsupported:
-            raise ValueError(f"{', '.join(unsupported)}: not supported by the embedded engine (SGLang has it)")
-        if (req.text is None) == (req.input_ids is None):
-            raise ValueError("give exactly one of text and input_ids")
-        sp = req.sampling_params or p.SamplingParams()
-        if sp.n > self.engine.max_batch_size:
-            raise ValueError(f"sampling_params.n: {sp.n}; at most {self.engine.max_batch_size} (the engine's batch) "
-                             "per request")
-        if req.text is not None:
+    async def _sequences(self, req: p.GenerateReqInput, prompts: list[requests.Prompt]) -> list[Sequence]:
+        """The sequences to run, prompt by prompt and sample by sample; a ValueError naming the field
+        when a prompt cannot run (nothing has been queued then)."""
+        tok = self.engine.tokenizer
+        most = self.engine.context_length * self._max_token_chars
+        for prompt in prompts:
             # a text too long to fit the context even at the vocabulary's longest token is refused
-            # before any tokenization; the rest is tokenized off the event loop (a long prompt
-            # would otherwise stall every other request)
-            most = self.engine.context_length * self._max_token_chars
-            if len(req.text) > most:
-                raise ValueError(f"text: {len(req.text)} characters cannot fit the context length "
+            # before any tokenization
+            if prompt.text is not None and len(prompt.text) > most:
+                raise ValueError(f"{prompt.where}: {len(prompt.text)} characters cannot fit the context length "
                                  f"{self.engine.context_length}")
-            prompt = await asyncio.to_thread(self.engine.tokenizer.encode, req.text, add_special_tokens=False)
-        else:
-            prompt = req.input_ids
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+        texts = [q.text for q in prompts if q.text is not None]
+        if texts:  # off the event loop: a long prompt would otherwise stall every other request
+            encoded = iter(await asyncio.to_thread(
+                lambda: [tok.encode(t, add_special_tokens=False) for t in texts]))
+            for prompt in prompts:
+                if prompt.text is not None:
+                    prompt.input_ids = next(encoded)
+        seqs = []
+        for prompt in prompts:
+            window = self._check(prompt)
+            for rid in prompt.sample_rids():
+                seqs.append(Sequence(
+                    rid=rid, prompt=prompt.input_ids or [], params=prompt.params, stop_window=window,
+                    input_logprob_start=prompt.logprob_start_len if prompt.return_logprob
+                    and prompt.logprob_start_len >= 0 else None, request=prompt))
+        return seqs
+
+    def _check(self, prompt: requests.Prompt) -> int:
+        """Refuse what SGLang refuses for this prompt; the stop-string window (`Sequence.stop_window`)."""
+        sp, ids, where = prompt.params, prompt.input_ids or [], prompt.where
+        if sp.top_k == 0 or sp.top_k < -1:
+            raise ValueError(f"sampling_params.top_k must be -1 (disable) or at least 1, got {sp.top_k}")
+        if not ids:
+            raise ValueError(f"{where}: the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
         if bad:
-            raise ValueError(f"input_ids: token {bad[0]} is outside the vocabulary (0..{self.engine.vocab_size - 1})")
+            raise ValueError(f"{where}: token {bad[0]} is outside the vocabulary (0..{self.engine.vocab_size - 1})")
         limit = self.engine.context_length
-        if len(prompt) + sp.max_new_tokens > limit:
+        if len(ids) + sp.max_new_tokens > limit:
             raise ValueError(
-                f"sampling_params.max_new_tokens: {len(prompt)} prompt tokens + {sp.max_new_tokens} new tokens "
+                f"sampling_params.max_new_tokens: {len(ids)} prompt tokens + {sp.max_new_tokens} new tokens "
                 f"exceed the context length {limit}"
             )
-        return prompt
+        if prompt.return_logprob and not -1 <= prompt.logprob_start_len <= len(ids):
+            raise ValueError(f"logprob_start_len: {prompt.logprob_start_len}, for a prompt of {len(ids)} tokens "
+                             "(-1 or 0..the prompt's length)")
+        stops = [sp.stop] if isinstance(sp.stop, str) else sp.stop or []
+        if len(stops) > MAX_STOP_COUNT:
+            raise ValueError(f"sampling_params.stop: at most {MAX_STOP_COUNT} stop strings are allowed, "
+                             f"got {len(stops)}")
+        lengths = [len(self.engine.tokenizer.encode(s, add_special_tokens=False)) for s in stops]
+        return max(lengths, default=0) + 1
 
-    async def _run(self, req: p.GenerateReqInput, rid: str, prompt: list[int] | None = None,
-                   on_update: Any = None) -> list[Sequence]:
+    async def _run(self, seqs: list[Sequence], on_update: Any = None) -> list[Sequence]:
         loop = asyncio.get_running_loop()
-        sp = req.sampling_params or p.SamplingParams()
-        prompt = prompt if prompt is not None else list(req.input_ids or [])
         futures = []
-        seqs = []
-        for i in range(sp.n):
+        for seq in seqs:
             done: asyncio.Future = loop.create_future()
-            seq = Sequence(
-                rid=rid if sp.n == 1 else f"{rid}-{i}", prompt=prompt, params=sp,
-                on_finish=lambda s, f=done: loop.call_soon_threadsafe(_set, f, s),
-                on_update=on_update,
-            )
+            seq.on_finish = lambda s, f=done: loop.call_soon_threadsafe(_set, f, s)
+            seq.on_update = on_update
             futures.append(done)
-            seqs.append(seq)
             self.engine.submit(seq)
         try:
             return list(await asyncio.gather(*futures))
         except asyncio.CancelledError:  # the client went away: stop decoding for it
-            self.engine.call(lambda: self.engine.abort(rid=rid))
+
+            def abort() -> None:
+                for seq in seqs:
+                    self.engine.abort(rid=seq.rid)
+
+            self.engine.call(abort)
             raise
 
     def _output(self, req: p.GenerateReqInput, seq: Sequence) -> dict[str, Any]:
+        """SGLang's reply for one sample: text (the matched stop trimmed off), output ids, meta_info."""
         tok = self.engine.tokenizer
+        prompt: requests.Prompt | None = seq.request
         meta: dict[str, Any] = {
             "id": seq.rid,
             "finish_reason": seq.finish_reason,
             "prompt_tokens": len(seq.prompt),
             "completion_tokens": len(seq.output),
             "cached_tokens": 0,
+            "reasoning_tokens": 0,
+            "num_retractions": seq.retractions,
             "e2e_latency": time.monotonic() - seq.created,
         }
-        if req.return_logprob:
-            texts = [tok.decode([t]) for t in seq.output] if req.return_text_in_logprobs else None
+        if prompt is not None and prompt.return_logprob:
+            words = req.return_text_in_logprobs
+            meta["input_token_logprobs"] = [[lp, t, tok.decode([t]) if words else None]
+                                            for lp, t in seq.input_logprobs or []]
+            texts = [tok.decode([t]) for t in seq.output] if words else None
             meta["output_token_logprobs"] = [
                 [lp, t, texts[i] if texts else None] for i, (lp, t) in enumerate(zip(seq.logprobs, seq.output,
                                                                                      strict=True))
             ]
+            meta["output_token_logprobs_length"] = len(seq.output)
         spans = version_spans(seq.versions) or [{"version": self.engine.weight_version, "start": 0, "end": 0}]
         meta["weight_versions"] = spans
         meta["weight_version"] = spans[-1]["version"]
-        skip = (req.sampling_params or p.SamplingParams()).skip_special_tokens
-        return {"text": tok.decode(seq.output, skip_special_tokens=skip), "output_ids": list(seq.output),
-                "meta_info": meta}
+        return {"text": _text(tok, seq), "output_ids": list(seq.output), "meta_info": meta}
 
-    async def _stream(self, request: web.Request, req: p.GenerateReqInput, prompt: list[int]) -> web.StreamResponse:
-        """SSE: one `data: {...}` event per new token with the output so far, then `data: [DONE]`."""
+    async def _stream(self, request: web.Request, req: p.GenerateReqInput, seqs: list[Sequence],
+                      single: bool) -> web.StreamResponse:
+        """SSE: one `data: {...}` event per new token of a sample with its output so far (and, for a
+        batch or n > 1, its `index` in the reply), then `data: [DONE]`."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[Sequence] = asyncio.Queue()
+        index = {seq.rid: i for i, seq in enumerate(seqs)}
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        rid = req.rid or uuid.uuid4().hex
         task = asyncio.ensure_future(
-            self._run(req, rid, prompt,
-                      on_update=lambda s: loop.call_soon_threadsafe(updates.put_nowait, _snapshot(s))))
+            self._run(seqs, on_update=lambda s: loop.call_soon_threadsafe(updates.put_nowait, _snapshot(s))))
 
         async def send(seq: Sequence) -> None:
-            await response.write(b"data: " + json.dumps(self._output(req, seq)).encode() + b"\n\n")
+            out = self._output(req, seq)
+            if not single:
+                out["index"] = index[seq.rid]
+            await response.write(b"data: " + json.dumps(out).encode() + b"\n\n")
 
         try:
             while not task.done():
@@ -301,7 +358,7 @@ class EngineServer:
             req = await self._body(request, p.AbortReq)
         except ValueError as exc:
             return error(400, str(exc))
-        await self._engine_call(lambda: self.engine.abort(req.rid, req.abort_all))
+        await self._engine_call(lambda: self.engine.abort(req.rid or "", req.abort_all))
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -347,6 +404,7 @@ class EngineServer:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
             req = await self._body(request, p.UpdateWeightFromDiskReqInput)
+            _refuse(p.refused_update_fields(req))
             tensors = await asyncio.to_thread(read_checkpoint, req.model_path)
         except ValueError as exc:
             return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
@@ -357,6 +415,7 @@ class EngineServer:
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         try:
             req = await self._body(request, p.UpdateWeightsFromTensorReqInput)
+            _refuse(p.refused_update_fields(req))
             arrived = time.time()
             tensors = await asyncio.to_thread(decode_named_tensors, req.serialized_named_tensors, self._weight_bytes,
                                               self._shared_since)
@@ -398,6 +457,25 @@ class EngineServer:
         return web.json_response(
             {"success": False, "message": f"{request.path} (NCCL weight broadcast) is not supported by the "
              "embedded engine; use update_weights_from_tensor or update_weights_from_disk"}, status=501)
+
+
+def _refuse(reasons: list[str]) -> None:
+    if reasons:
+        raise ValueError("; ".join(reasons))
+
+
+def _text(tokenizer: Any, seq: Sequence) -> str:
+    """SGLang's detokenizer (`trim_matched_stop`): a matched stop token is left out of the text, and
+    the text is cut before the first occurrence of a matched stop string, unless `no_stop_trim`."""
+    sp = seq.params
+    matched = (seq.finish_reason or {}).get("matched")
+    ids = seq.output
+    if isinstance(matched, int) and not sp.no_stop_trim and ids:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+    if isinstance(matched, str) and (pos := text.find(matched)) != -1:
+        text = text[: pos + len(matched)] if sp.no_stop_trim else text[:pos]
+    return text
 
 
 def _snapshot(seq: Sequence) -> Sequence:

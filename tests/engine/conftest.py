@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+from sglang_source import load_api, load_source
 
 from slime_async.launch.process import start_engine
 
@@ -37,3 +40,14 @@ async def aiohttp_engine(tiny_engine) -> AsyncIterator[str]:
     await server.start_server()
     yield str(server.make_url("")).rstrip("/")
     await server.close()
+
+
+@pytest.fixture(scope="session")
+def sglang_source() -> dict[str, ast.Module]:
+    """SGLang 0.5.23's files the conformance tests read (`sglang_source.FILES`), parsed."""
+    return load_source()
+
+
+@pytest.fixture(scope="session")
+def sglang_api(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    return load_api(tmp_path_factory.mktemp("sglang"))

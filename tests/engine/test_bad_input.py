@@ -35,7 +35,7 @@ async def raw_post(url: str, path: str, data: bytes, **headers: str) -> tuple[in
         ("/generate", b'{"input_ids": [1], "sampling_params": {"top_p": 0}}', "$.sampling_params.top_p"),
         ("/generate", b'{"input_ids": "abc"}', "$.input_ids"),
         ("/generate", b'{"input_ids": [1], "text": "hi"}', "give exactly one of text and input_ids"),
-        ("/generate", b'{"input_ids": []}', "the prompt is empty"),
+        ("/generate", b'{"input_ids": []}', "input_ids cannot be empty"),  # SGLang's words
         ("/generate", b"{}", "give exactly one of text and input_ids"),
         ("/pause_generation", b'{"mode": "sideways"}', "$.mode"),
         ("/abort_request", b'{"rid": 5}', "$.rid"),

@@ -7,80 +7,14 @@ parse. The wheel is fetched once per machine with `pip download --no-deps` (PyPI
 from __future__ import annotations
 
 import ast
-import importlib.util
-import subprocess
-import sys
-import zipfile
-from pathlib import Path
 from types import ModuleType
 
 import msgspec
 import pytest
+from sglang_source import class_fields, routes
 
 from slime_async.engine import protocol
 from slime_async.engine.server import EngineServer
-
-SGLANG_VERSION = "0.5.23"
-FILES = {
-    "http": "sglang/srt/entrypoints/http_server.py",
-    "io": "sglang/srt/managers/io_struct.py",
-    "sampling": "sglang/srt/sampling/sampling_params.py",
-    "versions": "sglang/srt/utils/weight_versions.py",
-    "api": "sglang/api/v1/api_types.py",
-}
-
-
-def sglang_wheel() -> Path:
-    cache = Path.home() / ".cache" / "slime_async" / f"sglang-{SGLANG_VERSION}"
-    wheels = sorted(cache.glob("sglang-*.whl"))
-    if not wheels:
-        cache.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={SGLANG_VERSION}", "-d", str(cache)],
-            capture_output=True, text=True, timeout=600,
-        )
-        assert done.returncode == 0, f"could not download the sglang wheel: {done.stderr[-2000:]}"
-        wheels = sorted(cache.glob("sglang-*.whl"))
-    return wheels[0]
-
-
-@pytest.fixture(scope="module")
-def sglang_source() -> dict[str, ast.Module]:
-    with zipfile.ZipFile(sglang_wheel()) as wheel:
-        return {key: ast.parse(wheel.read(path)) for key, path in FILES.items()}
-
-
-@pytest.fixture(scope="module")
-def sglang_api(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    """SGLang's generated JSON contract (`sglang.api.v1.api_types`): it needs only msgspec, so it imports."""
-    path = tmp_path_factory.mktemp("sglang") / "sglang_api_types.py"
-    with zipfile.ZipFile(sglang_wheel()) as wheel:
-        path.write_bytes(wheel.read(FILES["api"]))
-    spec = importlib.util.spec_from_file_location("sglang_api_types", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def class_fields(tree: ast.Module, name: str) -> set[str]:
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == name:
-            return {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
-    raise AssertionError(f"SGLang has no class {name}")
-
-
-def routes(tree: ast.Module) -> set[str]:
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef):
-            for dec in node.decorator_list:
-                if isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.func.attr in (
-                    "get", "post", "api_route", "put"
-                ) and dec.args and isinstance(dec.args[0], ast.Constant):
-                    out.add(dec.args[0].value)
-    return out
-
 
 REQUEST_CLASSES = [
     protocol.GenerateReqInput,
@@ -103,8 +37,6 @@ def test_every_request_field_exists_in_sglang(sglang_source: dict[str, ast.Modul
     theirs = class_fields(sglang_source["io"], cls.__name__)
     if cls is protocol.GenerateReqInput:  # the HTTP contract adds a few keys of its own
         theirs |= class_fields(sglang_source["api"], "GenerateRequest")
-    if cls is protocol.AbortReq:
-        theirs.add("rid")  # inherited from SGLang's BaseReq
     assert ours - theirs == set(), f"{cls.__name__}: fields SGLang does not have"
 
 
