@@ -56,12 +56,18 @@ def clear_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _load(config: Path, overrides: list[str] | None):  # -> Config
-    """The validated config, with its model directory checked (made first if it is `tiny`)."""
+def _load(config: Path, overrides: list[str] | None, model: bool = True):  # -> Config
+    """The validated config: its envs built once here (`launch.preflight`: module, class, arguments,
+    tools, rewards), before any process starts, and its model directory checked (made first if it is
+    `tiny`)."""
     cfg = load_config(config, overrides or [])
-    from slime_async.config.model_dir import resolve_model_path
+    from slime_async.launch.preflight import check_envs
 
-    resolve_model_path(cfg.model.path)
+    check_envs(cfg)
+    if model:
+        from slime_async.config.model_dir import resolve_model_path
+
+        resolve_model_path(cfg.model.path)
     return cfg
 
 
@@ -91,7 +97,13 @@ def train(
 
     console.print()
     console.print(summary_table(summary))
-    console.print(f"run directory {summary['run_dir']} (summary.json, metrics.jsonl, samples.md, tensorboard/)")
+    run_dir = Path(summary["run_dir"])
+    # only what this run wrote: samples.md needs log.sample_every, tensorboard/ log.tensorboard, and
+    # metrics.jsonl a trainer step
+    written = [name for name in ("summary.json", "metrics.jsonl", "eval.jsonl", "samples.md", "tensorboard/",
+                                 "logs/") if (run_dir / name).exists()]
+    console.print(f"run directory {run_dir} ({', '.join(written)})", soft_wrap=True)
+    _report_guard(summary.get("guard") or [])
 
 
 @app.command()
@@ -120,6 +132,20 @@ def rollout(
     except EnvLoadError as exc:
         fail(str(exc))
     console.print(f"wrote {stats.sent} trajectories to {out}; dropped {dict(stats.dropped) or 'none'}")
+    _report_guard([v.as_dict() for v in stats.verdicts])
+
+
+def _report_guard(verdicts: list[dict[str, str]]) -> None:
+    """The guard's verdicts, one line each; exit code 1 when one stopped the run."""
+    from rich.markup import escape
+
+    for v in verdicts:
+        first = f"; first error: {v['first_error']}" if v["first_error"] else ""
+        colour = "red" if v["action"] == "stop" else "yellow"
+        label = "stopped" if v["action"] == "stop" else "warning"
+        err_console.print(f"[bold {colour}]{label}:[/] {escape(v['reason'] + first)}", highlight=False, soft_wrap=True)
+    if any(v["action"] == "stop" for v in verdicts):
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -255,13 +281,17 @@ def bench(
 @config_app.command("show")
 @clear_errors
 def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
-    """Print the resolved config (file + overrides + defaults) as YAML."""
-    cfg = load_config(config, overrides or [])
+    """Print the resolved config (file + overrides + defaults) as YAML, once its envs are checked."""
+    cfg = _load(config, overrides, model=False)
     sys.stdout.write(to_yaml(cfg))
 
 
 def main() -> None:
     sys.argv = optional_value(sys.argv, "--ray")
+    # As `python -m` does (and so every part the launcher starts): modules in the current directory
+    # import. A console script's own path is its bin directory instead.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     app()
 
 

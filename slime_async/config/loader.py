@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 import types as pytypes
 import typing
 from collections.abc import Sequence
@@ -58,9 +59,26 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), t
 
     _check_unknown_keys(raw, type, (), where)
     try:
-        return msgspec.convert(raw, type)
+        config = msgspec.convert(raw, type)
     except msgspec.ValidationError as exc:
         raise _explain(exc, raw, type, where) from None
+    if isinstance(config, Config):
+        config = use_python_path(config, Path(path).resolve().parent if path is not None else None)
+    return config
+
+
+def use_python_path(config: Config, base: Path | None) -> Config:
+    """`config` with `run.python_path` made absolute (relative to `base`, the config file's directory),
+    those directories appended to `sys.path` of this process. The resolved config is what child
+    processes read, so they import from the same directories wherever they start. Without a file
+    (`base` None) the entries are relative to the current directory and the config is left as it is."""
+    paths = [str(((base or Path.cwd()) / entry).resolve()) for entry in config.run.python_path]
+    for entry in paths:
+        if entry not in sys.path:
+            sys.path.append(entry)  # after installed packages: a file of yours cannot hide one of theirs
+    if base is None:
+        return config
+    return msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, python_path=paths))
 
 
 def parse_override(text: str) -> tuple[tuple[str, ...], Any]:

@@ -43,6 +43,12 @@ class RunConfig(_Section):
     """Parent directory of run directories (resolved config, metrics, checkpoints)."""
     seed: int = 0
     """Seed for tasks, sampling and initialisation; the same seed gives the same run on CPU."""
+    python_path: list[str] = msgspec.field(default_factory=lambda: ["."])
+    """Directories added to the import path of every process of the run before an env, agent or other
+    function the config names (`module:name`) is imported, so that `env.name: my_env:MyEnv` finds
+    `my_env.py` there. Relative ones are relative to the config file's directory (the default: that
+    directory itself); they come after installed packages, so a module of yours cannot hide one. The
+    current directory and PYTHONPATH work too."""
 
 
 class ModelConfig(_Section):
@@ -209,6 +215,33 @@ class DataConfig(DatasetConfig, kw_only=True):
             raise ValueError(f"eval suite names must be unique, got {names}")
 
 
+GuardAction = Literal["stop", "warn", "off"]
+
+
+class GuardConfig(_Section):
+    """What the rollout watches for in a run that cannot learn, and what it does then: `stop` ends the
+    run with the reason and the first error message (exit code 1, after the summary), `warn` says so in
+    the live view and the summary and goes on, `off` does neither. Error counts per name (each reward,
+    metric, tool, group reward; env and server errors) are shown either way."""
+
+    on_failures: GuardAction = "stop"
+    """When more than `max_failed_fraction` of the latest `window` episodes failed: ended in
+    `env_error` (its setup, `on_reply` or agent raised) or had a reward or group reward raise (and
+    score its `on_error`). Server errors are not counted: a dead engine is the launcher's to restart."""
+    max_failed_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
+    """The share of failed episodes above which `on_failures` acts."""
+    window: PositiveInt = 64
+    """Episodes over which the failed share is measured (the rule waits until it has seen this many)."""
+    on_no_signal: GuardAction = "warn"
+    """When the groups of `no_signal_steps` steps in a row (`rollout.batch_size` trajectories each) all
+    had equal rewards within each group: GRPO's advantages are then 0, so loss and gradient are 0
+    (or, with `filter_equal_rewards`, every group is dropped and the trainer waits). Typical of a
+    model that never succeeds (no warm-start) or always does. `warn` by default: a run may start
+    there and get out (a sampled success now and then)."""
+    no_signal_steps: PositiveInt = 10
+    """Steps' worth of groups without a learning signal, in a row, before `on_no_signal` acts."""
+
+
 class RolloutConfig(_Section):
     group_size: PositiveInt = 8
     """Samples per task (GRPO's n)."""
@@ -227,6 +260,8 @@ class RolloutConfig(_Section):
     filter_equal_rewards: bool = True
     """Drop groups whose rewards are all equal (no learning signal), counted (DAPO-style)."""
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    guard: GuardConfig = msgspec.field(default_factory=GuardConfig)
+    """Stop (or warn about) a run whose episodes mostly fail or whose groups carry no learning signal."""
 
 
 class BufferConfig(_Section):

@@ -28,11 +28,12 @@ from slime_async.env.parsers import HermesParser, ParsedReply, ToolCallParser
 from slime_async.env.policy import FinishReason, Generation, Policy, Sampling, ScriptedPolicy, ScriptExhausted
 from slime_async.env.renderer import Delta, Renderer
 from slime_async.env.rewards import group_reward, metric, reward
-from slime_async.env.tools import Injected, ToolArgumentError, ToolError, ToolSpec, tool
+from slime_async.env.tools import DefinitionError, Injected, ToolArgumentError, ToolError, ToolSpec, tool
 from slime_async.env.verify import VerifierPool
 
 __all__ = [
     "COUNTERS",
+    "DefinitionError",
     "Delta",
     "Env",
     "EnvArgs",

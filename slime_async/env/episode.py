@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import time
 import weakref
 from typing import Any
@@ -35,7 +36,7 @@ from slime_async.types.arrays import TOKEN_DTYPE
 # run are meaningful without knowing which episodes hit what.
 COUNTERS = (
     "turns", "tool_calls", "tool_errors", "tool_timeouts", "unknown_tools", "bad_tool_args",
-    "tool_outputs_truncated", "parse_errors", "reward_errors", "teardown_errors", "new_branches",
+    "tool_outputs_truncated", "parse_errors", "reward_errors", "metric_errors", "teardown_errors", "new_branches",
     "completion_tokens", "total_tokens",
 )  # fmt: skip
 
@@ -107,6 +108,7 @@ async def run_episode(
         timings=dict(episode.timings),
         env=env_name or f"{type(env).__module__}:{type(env).__qualname__}",
         error=episode.error,
+        errors=episode.errors,
     )
 
 
@@ -122,6 +124,8 @@ class _Episode:
         self.timings: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.reason = StopReason.ABORTED
         self.error = ""
+        self.errors: dict[str, str] = {}
+        """The first message of each reward, metric or tool that failed, by `kind name`."""
         self.rewards: dict[str, float] = {}
         self.reward = 0.0
         self.env_metrics: dict[str, float] = {}
@@ -344,22 +348,27 @@ class _Episode:
                 result = await spec.invoke(self.env, args, injected)
         except TimeoutError:
             if not deadline.expired():
-                self.counts["tool_errors"] += 1
-                return f"error: {call.name} raised TimeoutError"
+                return self._tool_failed(call.name, f"error: {call.name} raised TimeoutError")
             self.counts["tool_timeouts"] += 1
             return f"error: {call.name} timed out after {self.limits.tool_timeout_s:g} s"
         except ToolError as exc:
-            self.counts["tool_errors"] += 1
-            return f"error: {exc}"
+            return self._tool_failed(call.name, f"error: {exc}")
         except Exception as exc:
-            self.counts["tool_errors"] += 1
-            return f"error: {call.name} raised {type(exc).__name__}: {exc}"
+            return self._tool_failed(call.name, f"error: {call.name} raised {type(exc).__name__}: {exc}")
         if isinstance(result, str):
             return result
         try:
             return msgspec.json.encode(result).decode()
         except (TypeError, msgspec.EncodeError):
             return str(result)
+
+    def _tool_failed(self, name: str, message: str) -> str:
+        """Count a tool's failure under its name (the run's error counts show which tool fails, and how
+        first); the message goes to the model, which may recover from it."""
+        self.counts["tool_errors"] += 1
+        self.counts[f"tool_errors/{name}"] += 1
+        self.errors.setdefault(f"tool {name}", message.removeprefix("error: "))
+        return message
 
     # ---- rewards and teardown ----------------------------------------------------------------
 
@@ -376,7 +385,9 @@ class _Episode:
         for spec in env.rewards.values():
             self.rewards[spec.name] = await self._measure(spec, available)
         for spec in env.metrics.values():
-            self.env_metrics[spec.name] = await self._measure(spec, available)
+            value = await self._measure(spec, available)
+            if math.isfinite(value):  # a failed metric's NaN would make the buffer refuse the trajectory
+                self.env_metrics[spec.name] = value
         penalty = self.limits.parse_errors.penalty
         if penalty and self.counts["parse_errors"]:
             self.rewards["parse_error"] = penalty * self.counts["parse_errors"]
@@ -390,12 +401,20 @@ class _Episode:
                 value = await spec.call(self.env, available)
             else:
                 value = await asyncio.wait_for(spec.call(self.env, available), self.limits.reward_timeout_s)
-            return float(value)
+            value = float(value)
+            if not math.isfinite(value):  # the buffer refuses a non-finite value: an error here, by name
+                raise ValueError(f"returned {value}; expected a finite number")
+            return value
         except Exception as exc:  # raised or timed out; CancelledError still propagates
-            self.counts["reward_errors"] += 1
-            self.counts[f"reward_errors/{spec.name}"] += 1
-            if not self.error:
-                self.error = f"{spec.kind} {spec.name} failed: {type(exc).__name__}: {exc}"
+            counter = "metric_errors" if spec.kind == "metric" else "reward_errors"
+            self.counts[counter] += 1
+            self.counts[f"{counter}/{spec.name}"] += 1
+            what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if isinstance(exc, TimeoutError) and not str(exc):  # wait_for's own: say which limit
+                what = f"timed out after {self.limits.reward_timeout_s:g} s (limits.reward_timeout_s)"
+            self.errors.setdefault(f"{spec.kind} {spec.name}", what)
+            if not self.error and spec.kind != "metric":
+                self.error = f"{spec.kind} {spec.name} failed: {what}"
             return spec.on_error
 
     async def teardown(self) -> None:

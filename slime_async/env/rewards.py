@@ -13,9 +13,12 @@ raises or times out scores its `on_error` value and is counted in the trajectory
 from __future__ import annotations
 
 import asyncio
+import difflib
 import inspect
 from collections.abc import Callable
 from typing import Any
+
+from slime_async.env.tools import DefinitionError
 
 REWARD_ARGS = {
     "task": "the Task (its `answer` is the label)",
@@ -31,6 +34,7 @@ REWARD_ARGS = {
 GROUP_REWARD_ARGS = {
     "trajectories": "the group's list[Trajectory], rewards filled in",
     "task_id": "the group's task id",
+    "args": "the env's validated arguments (`env.args`, an instance of the Env's `Args`)",
 }
 """Argument names a `@group_reward` function may take."""
 
@@ -46,7 +50,7 @@ class RewardSpec:
         self.on_error = on_error
         self.is_async = inspect.iscoroutinefunction(fn)
         if inline and self.is_async:
-            raise TypeError(f"@{kind} {fn.__qualname__}: inline=True is for sync functions "
+            raise DefinitionError(f"@{kind} {fn.__qualname__}: inline=True is for sync functions "
                             "(an async one runs on the loop anyway)")
         self.inline = inline
         """A sync function called on the event loop (no thread, no timeout): for microsecond checks only."""
@@ -56,7 +60,10 @@ class RewardSpec:
             params = params[1:]  # self
         unknown = [p for p in params if p not in allowed]
         if unknown:
-            raise TypeError(f"@{kind} {fn.__qualname__}: unknown argument(s) {unknown}; it may take {sorted(allowed)}")
+            close = {p: difflib.get_close_matches(p, allowed, n=1, cutoff=0.6) for p in unknown}
+            hint = "".join(f"; did you mean {c[0]!r} for {p!r}?" for p, c in close.items() if c)
+            raise DefinitionError(f"@{kind} {fn.__qualname__}: unknown argument(s) {unknown}{hint} "
+                            f"(it may take {', '.join(allowed)})")
         self.params = params
 
     async def call(self, owner: Any, available: dict[str, Any]) -> Any:
@@ -96,8 +103,8 @@ def metric(fn: Callable[..., Any] | None = None, *, on_error: float = float("nan
 
 def group_reward(fn: Callable[..., Any] | None = None, *, weight: float = 1.0, on_error: float = 0.0) -> Any:
     """Declare a reward over a finished group: a function (no `self`: it sees the group, not one
-    episode) taking `trajectories`/`task_id` and returning one float per trajectory. Applied by
-    `apply_group_rewards`."""
+    episode) taking any of `trajectories`, `task_id` and `args` (the env's arguments), returning one
+    float per trajectory. Applied by `apply_group_rewards`."""
 
     def mark(f: Callable[..., Any]) -> Any:
         f.__slime_reward__ = RewardSpec(f, "group_reward", weight, on_error)  # type: ignore[attr-defined]

@@ -32,6 +32,13 @@ class ToolError(Exception):
     """Raise from a tool to tell the model what went wrong; the message is shown as `error: ...`."""
 
 
+class DefinitionError(TypeError):
+    """A `@tool`, `@reward`, `@metric` or `@group_reward` that cannot work as declared (a tool's
+    parameter without a type hint, a reward's unknown argument); raised when the class is defined, so
+    importing the env's module fails with it: the message names the class, the function and the
+    parameter."""
+
+
 class ToolArgumentError(ValueError):
     """The model's arguments do not match the tool's schema; the message says where."""
 
@@ -49,15 +56,17 @@ class ToolSpec:
         try:
             hints = typing.get_type_hints(fn, include_extras=True)
         except NameError as exc:
-            raise TypeError(f"@tool {fn.__qualname__}: cannot resolve a type hint ({exc})") from None
+            raise DefinitionError(f"@tool {fn.__qualname__}: cannot resolve a type hint ({exc})") from None
         self.hidden: set[str] = set(hidden)
         fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
         params = list(inspect.signature(fn).parameters.values())[1:]  # skip self
         for p in params:
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                raise TypeError(f"@tool {fn.__qualname__}: *args/**kwargs cannot be described to a model")
+                raise DefinitionError(f"@tool {fn.__qualname__}: *args/**kwargs cannot be described to a model")
             if p.name not in hints:
-                raise TypeError(f"@tool {fn.__qualname__}: argument {p.name!r} needs a type hint (it makes the schema)")
+                raise DefinitionError(
+                    f"@tool {fn.__qualname__}: parameter {p.name!r} has no type hint; the tool's JSON schema is "
+                    f"made from the hints (e.g. `{p.name}: str`, or `Annotated[T, Injected]` for one the env supplies)")
             hint = hints[p.name]
             if _is_injected(hint) or p.name in self.hidden:
                 self.hidden.add(p.name)
@@ -66,7 +75,8 @@ class ToolSpec:
             fields.append((p.name, hint) if p.default is p.empty else (p.name, hint, p.default))
         unknown = self.hidden - {p.name for p in params}
         if unknown:
-            raise TypeError(f"@tool {fn.__qualname__}: hidden={sorted(unknown)} are not arguments of the function")
+            raise DefinitionError(
+                f"@tool {fn.__qualname__}: hidden={sorted(unknown)} are not arguments of the function")
         # A Struct of the visible arguments gives both the schema and the validator.
         self.args_type = msgspec.defstruct(f"{self.name}_args", fields, kw_only=True, forbid_unknown_fields=True)
         self.parameters = _parameters_schema(self.args_type)

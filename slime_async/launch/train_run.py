@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -29,6 +30,8 @@ from slime_async.config import Config, ConfigError, to_yaml
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.launch.local import LocalLauncher
 from slime_async.launch.success_check import Success, check_success, measure_success
+from slime_async.rollout.errors import describe as describe_errors
+from slime_async.rollout.errors import merge as merge_errors
 from slime_async.train.metrics_log import check_log_config
 from slime_async.train.run_log import append_event, read_events, read_jsonl
 
@@ -88,27 +91,31 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
         with Live(_view(cfg, run_dir, rl_started), console=console, refresh_per_second=1) as live:
             def done() -> bool:
                 live.update(_view(cfg, run_dir, rl_started))
-                return False
+                # a rollout worker's guard found a run that cannot learn: end it here, with the summary
+                return stop_verdict(guard_verdicts(rollout_stats(run_dir))) is not None
 
             launcher.supervise(done)
         rl_s = time.monotonic() - rl_started
         launcher.stop_rollout()  # what the workers finished reaches the buffer before it is counted
         buffer_metrics = buffer_counts(launcher)
         after = None
-        if cfg.warmstart.check_tasks:  # on the engines, which serve the final weights
+        stopped = stop_verdict(guard_verdicts(rollout_stats(run_dir)))
+        if cfg.warmstart.check_tasks and stopped is None:  # on the engines, which serve the final weights
             with _status(console, "measuring success after RL ..."):
                 after = asyncio.run(measure_success(cfg, None, cfg.warmstart.check_tasks, urls=launcher.engine_urls))
     finally:
         launcher.shutdown()
     records = read_jsonl(metrics_path)
     evals = read_jsonl(run_dir / "eval.jsonl")
+    workers = rollout_stats(run_dir)
     summary = {"steps": len(records), "wall_s": time.monotonic() - started, "rl_s": rl_s, "warmstart": warm,
                "success_before": asdict(before) if before else None,
                "success_after": asdict(after) if after else None, "parts": parts,
                "events": [e["event"] for e in read_events(run_dir)],  # every attempt's, with --resume
                "last": records[-1] if records else None, "buffer": buffer_metrics, "eval": evals,
                "max_staleness": max((r.get("max_staleness", 0) for r in records), default=None),
-               "rollout": rollout_stats(run_dir),
+               "rollout": workers, "errors": merge_errors([w.get("errors", {}) for w in workers]),
+               "guard": guard_verdicts(workers), "stopped": stopped,
                "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -214,6 +221,29 @@ def rollout_stats(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def guard_verdicts(workers: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """What the workers' guards found, one verdict per rule (the first worker's to find it)."""
+    out: dict[str, dict[str, str]] = {}
+    for w in workers:
+        for v in w.get("guard", []):
+            out.setdefault(v["rule"], v)
+    return list(out.values())
+
+
+def stop_verdict(verdicts: list[dict[str, str]]) -> dict[str, str] | None:
+    return next((v for v in verdicts if v["action"] == "stop"), None)
+
+
+def _error_rows(table: Table, errors: dict[str, Any], verdicts: list[dict[str, str]]) -> None:
+    """Failures by name (first message each) and the guard's findings, in red and yellow."""
+    for i, line in enumerate(describe_errors(errors)):
+        table.add_row("[red]errors[/]" if i == 0 else "", f"[red]{escape(line)}[/]")
+    for v in verdicts:
+        label = "[red]stopped[/]" if v["action"] == "stop" else "[yellow]warning[/]"
+        first = f"; first error: {v['first_error']}" if v["first_error"] else ""
+        table.add_row(label, escape(v["reason"] + first))
+
+
 def _view(cfg: Config, run_dir: Path, started: float) -> Table:
     records = read_jsonl(run_dir / "metrics.jsonl")
     table = Table(title=f"slime-async train: {cfg.run.name}", show_header=False)
@@ -233,6 +263,7 @@ def _view(cfg: Config, run_dir: Path, started: float) -> Table:
                                  f"{sum(w['in_flight'] for w in workers)} in flight")
         table.add_row("rollout reward", f"{sum(recent) / len(recent):.3f} (last 256 episodes)" if recent else "-")
         table.add_row("groups", f"{sum(w['groups_sent'] for w in workers)} sent, {dropped} dropped (filtered/failed)")
+        _error_rows(table, merge_errors([w.get("errors", {}) for w in workers]), guard_verdicts(workers))
     now = time.time()
     hint = stall_hint(last.get("time"), now - (time.monotonic() - started), now, workers)
     if hint:
@@ -298,6 +329,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())) or "none"
         table.add_row("rollout", f"{sum(w['episodes'] for w in workers)} episodes, "
                                  f"{sum(w['groups_sent'] for w in workers)} groups sent, dropped: {reasons}")
+    _error_rows(table, summary.get("errors") or {}, summary.get("guard") or [])
     if w := summary.get("warmstart"):
         took = "cached" if w["cached"] else f"{w['seconds']:.0f} s"
         table.add_row("warm-start", f"{took}, {w['steps']} steps on {w['demonstrations']} demonstrations")

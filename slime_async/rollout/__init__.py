@@ -4,7 +4,9 @@ Owns: the SGLang client (`client`: aiohttp, sticky and least-loaded routing over
 retries, failover, aborts, resuming requests that a weight update aborted) and its vLLM dialect
 (`vllm_client`), the staleness
 admission rule (`admission`), the scheduler (`scheduler`: groups of n, concurrency limit,
-group filtering, accounting) and the sinks finished groups go to (`sinks`). Does not own: what
+group filtering, accounting), the env's failures counted by name (`errors`), the guard that stops a
+run that cannot learn (`guard`: most episodes fail, or no group has a learning signal) and the sinks
+finished groups go to (`sinks`). Does not own: what
 an episode does (`env`), the wire to the buffer (`transport`), training.
 """
 

@@ -7,8 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from slime_async.agents.server import close_shared_server
@@ -16,6 +18,8 @@ from slime_async.config import Config
 from slime_async.env import EnvFactory, Sampling
 from slime_async.launch.local import engine_args, engine_env
 from slime_async.launch.process import EngineProcess, start_engine
+from slime_async.rollout.errors import describe
+from slime_async.rollout.guard import Guard, Verdict
 from slime_async.rollout.scheduler import RolloutStats, Scheduler
 from slime_async.rollout.sinks import JsonlSink
 from slime_async.rollout.vllm_client import engine_client
@@ -59,6 +63,13 @@ async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: 
         urls = [e.url for e in engines]
     sink = JsonlSink(out)
     r = cfg.rollout
+    # Nothing trains here, so equal rewards are no reason to stop; episodes that mostly fail are.
+    guard = Guard.for_rollout(msgspec.structs.replace(r.guard, on_no_signal="off"), r.batch_size, r.group_size)
+
+    def on_verdict(verdict: Verdict) -> None:
+        if verdict.action == "stop":
+            scheduler.stop()
+
     try:
         async with engine_client(kind, urls, admin_token=cfg.engine.admin_token) as client:
             scheduler = Scheduler(
@@ -66,7 +77,7 @@ async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: 
                 group_size=r.group_size, batch_size=r.batch_size, max_staleness=r.max_staleness,
                 # evaluation and data generation keep every group: filtering is for training
                 max_concurrency=r.max_concurrency, filter_equal_rewards=False,
-                sampling=Sampling.from_config(r.sampling),
+                sampling=Sampling.from_config(r.sampling), guard=guard, on_verdict=on_verdict,
             )
             # Rollout alone never trains, so nothing would ever raise the version: lift the bound.
             scheduler.budget.max_staleness = 1 << 30
@@ -94,6 +105,8 @@ def _table(stats: RolloutStats, groups: int, out: Path) -> Table:
     table.add_row("tokens/s", f"{s['tokens_per_s']:.0f}")
     table.add_row("mean reward", f"{s['mean_reward']:.3f}")
     table.add_row("stop reasons", ", ".join(f"{k} {v}" for k, v in sorted(s["stop_reasons"].items())) or "-")
+    for i, line in enumerate(describe(s["errors"])):
+        table.add_row("[red]errors[/]" if i == 0 else "", f"[red]{escape(line)}[/]")
     table.add_row("elapsed", f"{time.monotonic() - stats.started_at:.1f} s")
     return table
 

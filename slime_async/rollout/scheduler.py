@@ -24,6 +24,8 @@ import numpy as np
 from slime_async.env import EnvFactory, Generation, Limits, Sampling, VerifierPool, apply_group_rewards
 from slime_async.rollout.admission import StalenessBudget
 from slime_async.rollout.client import SGLangClient
+from slime_async.rollout.errors import ErrorBook
+from slime_async.rollout.guard import Guard, Verdict
 from slime_async.rollout.sinks import Sink
 from slime_async.types import StopReason, Task, Trajectory, new_id
 
@@ -60,6 +62,10 @@ class RolloutStats:
     staleness: Counter = field(default_factory=Counter)
     """Versions between the oldest token of a trajectory and the version when it was sent."""
     rewards: list[float] = field(default_factory=list)
+    errors: ErrorBook = field(default_factory=ErrorBook)
+    """Rewards, metrics, tools and env hooks that failed, by name, with the first message of each."""
+    verdicts: list[Verdict] = field(default_factory=list)
+    """What the guard found (a run that cannot learn), in order."""
     started_at: float = field(default_factory=time.monotonic)
 
     def balanced(self) -> bool:
@@ -74,6 +80,7 @@ class RolloutStats:
             "tokens_per_s": self.tokens / elapsed, "stop_reasons": dict(self.stop_reasons),
             "staleness": dict(self.staleness),
             "mean_reward": float(np.mean(self.rewards)) if self.rewards else 0.0,
+            "errors": self.errors.summary(), "guard": [v.as_dict() for v in self.verdicts],
         }
 
 
@@ -109,6 +116,8 @@ class Scheduler:
         accepted: int = 0,
         verifiers: VerifierPool | None = None,
         recount: Callable[[], Awaitable[int]] | None = None,
+        guard: Guard | None = None,
+        on_verdict: Callable[[Verdict], None] | None = None,
     ) -> None:
         self.factory = factory
         self._tasks: Iterator[Task] = iter(tasks)
@@ -124,6 +133,10 @@ class Scheduler:
         self.recount = recount
         """What this scheduler's share of the run has accepted, asked again when the engines go back
         to an older version (the buffer's count: a restarted trainer trains what it got back)."""
+        self.guard = guard
+        """Watches finished groups for a run that cannot learn; `on_verdict` hears what it finds (the
+        caller stops: a rollout worker under the launcher must not exit on its own)."""
+        self.on_verdict = on_verdict
         self._slots = asyncio.Semaphore(max_concurrency)
         self.stats = RolloutStats()
         self._stop = asyncio.Event()
@@ -243,13 +256,22 @@ class Scheduler:
             s.tokens += t.num_completion_tokens
         reason = self._drop_reason(group)
         if reason is None:
-            await apply_group_rewards(factory.cls, group)
+            await apply_group_rewards(factory.cls, group, args=factory.args)
             if self.filter_equal_rewards and len(group) > 1 and len({t.reward for t in group}) == 1:
                 reason = "equal_rewards"
         kept = reason is None
         for t in group:
             s.rewards.append(t.reward)
+            for key in s.errors.add(t):  # the first of each kind in the log; the counts in the stats
+                log.warning("%s failed (first time in this worker): %s", key, s.errors.first[key])
             await self.budget.release(kept)
+        verdict = self.guard.observe(group, reason in (None, "equal_rewards")) if self.guard else None
+        if verdict is not None:
+            s.verdicts.append(verdict)
+            log.warning("rollout.guard (%s): %s; first error: %s", verdict.action, verdict.reason,
+                        verdict.first_error or "-")
+            if self.on_verdict is not None:
+                self.on_verdict(verdict)
         if not kept:
             s.dropped[reason] += len(group)
             s.groups_dropped[reason] += 1

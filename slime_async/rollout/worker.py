@@ -26,6 +26,7 @@ from slime_async.config import load_config
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.data import build_envs, build_tasks, close_shared_remote_rewards, load_state, save_state
 from slime_async.env import Sampling
+from slime_async.rollout.guard import Guard
 from slime_async.rollout.scheduler import Scheduler
 from slime_async.rollout.sinks import BufferSink
 from slime_async.rollout.vllm_client import engine_client
@@ -113,18 +114,21 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
     async with engine_client(cfg.engine.kind, engines, admin_token=cfg.engine.admin_token) as client, AsyncSender(
             buffer, name=f"rollout-{worker}", curve_dir=cfg.buffer.curve_dir) as sender:
         sink = BufferSink(sender)
+        stats_path = Path(cfg.run.dir) / cfg.run.name / f"rollout-{worker}.json"
+        earlier = earlier_totals(stats_path)
         scheduler = Scheduler(
             envs, tasks, client, tokenizer, sink, group_size=r.group_size,
             batch_size=batch_share, max_staleness=r.max_staleness,
             max_concurrency=max(1, r.max_concurrency // num_workers),
             filter_equal_rewards=r.filter_equal_rewards, sampling=sampling, accepted=accepted, recount=recount,
+            guard=Guard.for_rollout(r.guard, batch_share, r.group_size),
+            # the launcher reads the verdict from the stats file and ends the run: written at once
+            on_verdict=lambda verdict: write_stats(scheduler, stats_path, earlier),
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, scheduler.stop)
         print("READY", flush=True)
-        stats_path = Path(cfg.run.dir) / cfg.run.name / f"rollout-{worker}.json"
-        earlier = earlier_totals(stats_path)
         reporter = asyncio.ensure_future(report_stats(scheduler, stats_path, earlier))
         try:
             stats = await scheduler.run(num_groups=groups)

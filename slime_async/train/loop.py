@@ -181,7 +181,10 @@ class Trainer:
         """trajectories_trained, skipped:<reason> (trajectories; `step_not_applied` when the batch's step was
         skipped), truncated, masked_truncated and unmasked_truncated (`build_batch`), empty_batches,
         skipped_steps, publish_failures, engines_reconciled (engines found behind and brought up to date),
-        checkpoints (saved, each followed by a commit to the source)."""
+        checkpoints (saved, each followed by a commit to the source); and the env's failures in the
+        trajectories it received, by name (`reward_errors/NAME`, `metric_errors/NAME`, `tool_errors/NAME`),
+        so that metrics.jsonl and TensorBoard show a reward that raises (env errors end their group in the
+        rollout, which counts them)."""
         self._stop = asyncio.Event()
 
     # --- resume -------------------------------------------------------------------------
@@ -290,6 +293,7 @@ class Trainer:
                 behind = await self.publisher.reconcile(self.backend.named_weights, self.version)
                 self.counters["engines_reconciled"] += len(behind)
             return None
+        count_failures(self.counters, trajectories)
         built = build_batch(trajectories, self.cfg.max_seq_len, self.cfg.overlong,
                             vocab_size=getattr(self.backend, "vocab_size", None),
                             mask_truncated=self.cfg.mask_truncated)
@@ -369,6 +373,17 @@ class Trainer:
                 record.skipped_steps.append(result.reason)
                 log.warning("step skipped at version %d: %s", self.version, result.reason)
                 break  # the same batch would fail the same way
+
+
+FAILURE_COUNTERS = ("reward_errors/", "metric_errors/", "tool_errors/")
+
+
+def count_failures(counters: Counter[str], trajectories: list[Trajectory]) -> None:
+    """Add the trajectories' failures by name (the env's own counters) to the trainer's counters."""
+    for t in trajectories:
+        for key, value in t.metrics.items():
+            if value and key.startswith(FAILURE_COUNTERS):
+                counters[key] += int(value)
 
 
 def seed_everything(seed: int) -> None:

@@ -181,7 +181,11 @@ class Trajectory(msgspec.Struct, kw_only=True):
     env: str = ""
     """Which environment produced it, as named in the config (`envs.calculator:CalculatorEnv`)."""
     error: str = ""
-    """For ENV_ERROR and SERVER_ERROR endings: what went wrong, for people."""
+    """What went wrong first, for people: an ENV_ERROR or SERVER_ERROR ending, or a reward that raised."""
+    errors: dict[str, str] = {}
+    """The first error message of each part of the env that failed in this episode, keyed by its kind
+    and name (`reward exact`, `metric length`, `tool convert`, `group_reward rank`); their counts are
+    in `metrics` (`reward_errors/exact`, `tool_errors/convert`). Empty when nothing failed."""
     id: str = msgspec.field(default_factory=new_id)
     """Unique id; the buffer de-duplicates on it, so redelivery never trains twice."""
     schema_version: int = SCHEMA_VERSION

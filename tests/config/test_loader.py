@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from slime_async.config import Config, ConfigError, load_config, parse_override, to_yaml
@@ -40,13 +42,24 @@ def test_yaml_values_and_overrides_apply(tmp_path: Path) -> None:
 
 
 def test_to_yaml_round_trips(tmp_path: Path) -> None:
-    cfg = load_config(None, ["rollout.max_staleness=0", "buffer.group_timeout_s=2.5"])
-    again = load_config(write(tmp_path, to_yaml(cfg)))
-    assert again == cfg
+    cfg = load_config(write(tmp_path, ""), ["rollout.max_staleness=0", "buffer.group_timeout_s=2.5"])
+    (tmp_path / "elsewhere").mkdir()
+    again = load_config(write(tmp_path / "elsewhere", to_yaml(cfg)))
+    assert again == cfg  # run.python_path was made absolute: the same directories from anywhere
 
 
 def test_empty_file_gives_defaults(tmp_path: Path) -> None:
-    assert load_config(write(tmp_path, "")) == Config()
+    cfg = load_config(write(tmp_path, ""))
+    assert cfg.run.python_path == [str(tmp_path.resolve())]  # the config file's own directory
+    assert msgspec.structs.replace(cfg, run=Config().run) == Config()
+
+
+def test_python_path_is_relative_to_the_config_file_and_importable(tmp_path: Path) -> None:
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "pp_probe_module.py").write_text("VALUE = 7\n")
+    cfg = load_config(write(tmp_path, "run:\n  python_path: [mods]\n"))
+    assert cfg.run.python_path == [str((tmp_path / "mods").resolve())]
+    assert importlib.import_module("pp_probe_module").VALUE == 7
 
 
 @pytest.mark.parametrize(

@@ -284,3 +284,16 @@ async def test_time_limit_ends_training_like_the_last_step(tiny_model_dir: Path,
     trainer, records, _ = make(tiny_model_dir, source, time_limit_s=25.0)
     await trainer.run(until_version=10)
     assert trainer.version == 2 and [r.version for r in records] == [1, 2]  # checks at 10 s, 20 s; 30 s stops
+
+
+async def test_the_envs_failures_by_name_reach_the_trainers_counters(tiny_model_dir: Path) -> None:
+    """A reward that raised or a tool that failed is in metrics.jsonl's counters (and TensorBoard)."""
+    trajectories = make_trajectories(4)
+    for i, t in enumerate(trajectories):
+        t.metrics = {**t.metrics, "reward_errors": 1.0, "reward_errors/exact": 1.0, "tool_errors/convert": float(i),
+                     "tool_calls": 3.0}
+    trainer, records, _ = make(tiny_model_dir, InMemorySource(trajectories))
+    await trainer.run(until_version=1)
+    assert len(records) == 1
+    assert trainer.counters["reward_errors/exact"] == 4 and trainer.counters["tool_errors/convert"] == 0 + 1 + 2 + 3
+    assert "tool_calls" not in trainer.counters and "reward_errors" not in trainer.counters  # names only
