@@ -57,6 +57,8 @@ class Sequence:
     input_logprobs: list[tuple[float | None, int]] | None = None
     """(logprob, token) from `input_logprob_start` on; the first logprob is None, as in SGLang."""
     retractions: int = 0
+    aborted_waiting: bool = False
+    """Aborted while in the queue (SGLang answers those with a shorter `meta_info`)."""
     request: Any = None
     """What the server keeps of the request this sequence answers (the engine never reads it)."""
     slot: int | None = None
@@ -96,8 +98,12 @@ class Engine:
         self.seed = seed
         self.generator = torch.Generator(device=self.slots.device).manual_seed(seed)
         self.weight_version = weight_version
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) or model.config.eos_token_id
-        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        # SGLang stops on any of the model config's, the generation config's and the tokenizer's EOS
+        # tokens (`ModelConfig` and `Req._check_token_based_finish`)
+        self.eos_ids: set[int] = set()
+        for eos in (model.config.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                    getattr(tokenizer, "eos_token_id", None)):
+            self.eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.vocab_size = int(model.config.vocab_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -261,7 +267,7 @@ class Engine:
             # SGLang: the stop string anywhere in the decoded tail of (its length in tokens + 1)
             tail = self.tokenizer.decode(seq.output[-seq.stop_window:])
             for stop in [p.stop] if isinstance(p.stop, str) else p.stop:
-                if stop and stop in tail:
+                if stop in tail:  # "" is in every text: it stops at once, as in SGLang
                     return {"type": "stop", "matched": stop}
         if not p.ignore_eos and (token in self.eos_ids or (p.stop_token_ids and token in p.stop_token_ids)):
             return {"type": "stop", "matched": token}
@@ -304,9 +310,12 @@ class Engine:
             return 0
         victims = [s for s in [*self.running, *self.waiting] if abort_all or s.rid.startswith(rid)]
         for seq in victims:
-            if seq in self.waiting:
+            if seq in self.waiting:  # SGLang's `_handle_abort_req`: type and message only
                 self.waiting.remove(seq)
-            self._finish(seq, abort_reason())
+                seq.aborted_waiting = True
+                self._finish(seq, {"type": "abort", "message": "Abort in waiting queue"})
+            else:
+                self._finish(seq, abort_reason())
         return len(victims)
 
     def pause(self, mode: str) -> int:

@@ -14,6 +14,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+PENDING_VERSION = "pending"
+"""The weight version of a replacement engine the launcher started: it serves nothing (503) until the
+trainer's weights arrive with a version (`server._awaiting_weights`)."""
+
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 Selector = Literal["target", "draft", "all"]
 
@@ -22,51 +26,69 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
-class _Control(_Body):
+class _Control(msgspec.Struct, kw_only=True):
     """A control body. SGLang's `BaseReq` gives every one a `rid` and an `http_worker_ipc` (its
-    multi-tokenizer routing): accepted, and without effect here, as on a one-tokenizer SGLang."""
+    multi-tokenizer routing): accepted, and without effect here, as on a one-tokenizer SGLang. Unknown
+    keys are ignored, as SGLang's msgspec decoding of these bodies does (`extra_behavior="ignore"`)."""
 
     rid: str | None = None
     http_worker_ipc: str | None = None
 
 
 class SamplingParams(_Body):
-    """SGLang's `sampling_params` (sglang/srt/sampling/sampling_params.py)."""
+    """SGLang's `sampling_params` (sglang/srt/sampling/sampling_params.py).
 
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=0)] = 128
-    temperature: NonNegFloat = 1.0
+    As in SGLang, `null` is any field's default (`__post_init__`). `max_new_tokens` alone keeps the
+    difference: absent means 128, clamped to what the context has room for; `null` means up to the
+    context's end; a number is checked against the context (`server._check`)."""
+
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=0)] | msgspec.UnsetType | None = msgspec.UNSET
+    temperature: NonNegFloat | None = 1.0
     """0 is greedy."""
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: int = -1
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = 1.0
+    top_k: int | None = -1
     """-1 disables top-k; otherwise at least 1 (SGLang refuses 0 and other negatives)."""
-    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = 0.0
     stop: str | list[str] | None = None
     """Stop strings (at most 32): generation ends when one appears in the decoded tail; `text` is cut
     before it unless `no_stop_trim` (`output_ids` keep every generated token)."""
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: Annotated[int, msgspec.Meta(ge=1)] = 1
-    sampling_seed: int | None = None
-    """Seed of this request's sampler (deterministic output for a fixed seed and batch)."""
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
+    ignore_eos: bool | None = False
+    n: Annotated[int, msgspec.Meta(ge=1)] | None = 1
+    sampling_seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    """Accepted and without effect, as in SGLang without deterministic inference."""
+    skip_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
+    spaces_between_special_tokens: bool | None = True
+    """Passed to the tokenizer's decode, as SGLang does (fast tokenizers ignore it)."""
+    stream_interval: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Stream an event every this many tokens (and at the end); default 1."""
     # SGLang's, not implemented here: refused unless neutral (see `unsupported_fields`)
     stop_regex: Any = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    min_new_tokens: int | None = 0
     json_schema: Any = None
     regex: Any = None
     ebnf: Any = None
     structural_tag: Any = None
-    spaces_between_special_tokens: bool = True
-    stream_interval: Any = None
     logit_bias: Any = None
     custom_params: Any = None
     beam_width: Any = None
     watermark: Any = None
     choice: Any = None
+
+    def __post_init__(self) -> None:
+        for name, default in _DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
+
+_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "ignore_eos": False, "n": 1,
+             "skip_special_tokens": True, "no_stop_trim": False, "spaces_between_special_tokens": True,
+             "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0}
+"""SGLang's `SamplingParams.__post_init__`: what `null` means."""
 
 
 class GenerateReqInput(msgspec.Struct, kw_only=True):
@@ -89,6 +111,12 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     sampling_logprobs_mode: Literal["selected"] | None = None
     """Only SGLang's default is supported: the logprob of the sampled token (see `sampling`)."""
     return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
+    """Add the prompt's token ids to the reply (`prompt_token_ids`)."""
+    routed_dp_rank: int | None = None
+    """A data-parallel rank to route to: this engine has one, so only 0 (SGLang's range check)."""
+    data_parallel_rank: int | None = None
+    """SGLang's deprecated name of `routed_dp_rank`."""
     # SGLang's, not implemented here: refused unless neutral (see `unsupported_fields`)
     input_embeds: Any = None
     watermark: Any = None
@@ -111,19 +139,42 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     max_thinking_tokens: Any = None
     custom_logit_processor: Any = None
     images_config: Any = None
-    return_prompt_token_ids: Any = None
     routed_experts_start_len: Any = None
     return_sampling_mask: Any = None
     modalities: Any = None
+    # in `io_struct.GenerateReqInput`, not in SGLang's JSON contract: FastAPI reads them all the same
+    return_routed_experts: Any = None
+    return_indexer_topk: Any = None
+    return_entropy: Any = None
+    return_bytes: Any = None
+    return_flat_raw_top_logprobs: Any = None
+    return_flat_raw_output_top_logprobs: Any = None
+    return_flat_raw_top_logprobs_b64: Any = None
+    positional_embed_overrides: Any = None
+    multi_item_delimiter_indices: Any = None
+    token_indices_to_pool: Any = None
+    mm_content_hashes: Any = None
+    mm_processor_kwargs: Any = None
+    image_max_dynamic_patch: Any = None
+    video_max_dynamic_patch: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    video_config: Any = None
+    use_audio_in_video: Any = None
+    encoder_urls: Any = None
+    lora_id: Any = None
+    background: Any = None
+    need_wait_for_mm_inputs: Any = None
+    num_items_assigned: Any = None
 
 
-# SGLang fields accepted for compatibility and without effect here: routing and bookkeeping hints.
+# SGLang fields accepted for compatibility and without effect here: routing, logging and tracing hints.
 IGNORED_GENERATE_FIELDS = frozenset(
-    {"routed_dp_rank", "extra_key", "priority", "cache_salt", "require_reasoning", "routing_key", "session_id",
-     "custom_labels"}
+    {"extra_key", "priority", "cache_salt", "require_reasoning", "routing_key", "session_id", "custom_labels",
+     "conversation_id", "log_metrics", "no_logs", "external_trace_header", "received_time", "http_worker_ipc"}
 )
 _NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                     "min_new_tokens": 0, "spaces_between_special_tokens": True}
+                     "min_new_tokens": 0}
 UNSUPPORTED_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__[
     SamplingParams.__struct_fields__.index("stop_regex"):])
 UNSUPPORTED_GENERATE_FIELDS = frozenset(GenerateReqInput.__struct_fields__[

@@ -1,31 +1,32 @@
-"""The embedded engine's HTTP server: SGLang's endpoints, field names and response shapes.
+"""The embedded engine's HTTP server: SGLang's endpoints, field names, response shapes and rules.
 
-Responses follow SGLang 0.5.23's `http_server.py` and tokenizer manager: `/generate` returns
-`{text, output_ids, meta_info}` (a list of them for n > 1), with `meta_info` holding `id`,
-`finish_reason`, `prompt_tokens`, `completion_tokens`, `cached_tokens`, `output_token_logprobs`
-(`[logprob, token_id, text]` triples), `weight_version` and `weight_versions`. Errors are a 400
-with `{"error": {"message": ...}}` naming the field; the server keeps serving.
+Responses follow SGLang 0.5.23's `http_server.py` and tokenizer manager (`replies`); the control
+endpoints and their rules are in `control`; a request's prompts in `requests`. Errors are a 400 with
+`{"error": {"message": ...}}` naming the field (on a stream, an error event, as SGLang sends it); the
+server keeps serving. The differences from SGLang that are deliberate are listed in the README.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
-import json
 import time
 import urllib.parse
 import uuid
 from typing import Any
 
-import torch
+import aiorwlock
+import msgspec
 from aiohttp import web
 
 from slime_async.config.schema import is_loopback_host as is_loopback
 from slime_async.engine import protocol as p
 from slime_async.engine import requests
-from slime_async.engine.core import Engine, Sequence, version_spans
-from slime_async.engine.weights import decode_named_tensors, read_checkpoint
+from slime_async.engine.control import ControlRoutes
+from slime_async.engine.core import Engine, Sequence
+from slime_async.engine.replies import dumps, error, held_back, json_response, reply
 
 ADMIN_PATHS = {
     "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version",
@@ -46,11 +47,11 @@ GENERATE_MAX_BYTES = 16 * 2**20
 the application's own (large) limit."""
 
 
-def error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+HEALTH_CHECK_TIMEOUT = 20.0
+"""SGLang's: `/health_generate` answers 503 when its one token has not come in this many seconds."""
 
 
-class EngineServer:
+class EngineServer(ControlRoutes):
     """aiohttp application over an `Engine`; one per model."""
 
     def __init__(self, engine: Engine, model_path: str, host: str = "127.0.0.1", admin_token: str | None = None):
@@ -68,18 +69,18 @@ class EngineServer:
         r.add_get("/model_info", self.model_info)
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/server_info", self.server_info)
-        r.add_route("*", "/generate", self.generate)
-        r.add_post("/abort_request", self.abort_request)
-        r.add_route("*", "/flush_cache", self.flush_cache)
-        r.add_post("/pause_generation", self.pause_generation)
-        r.add_post("/continue_generation", self.continue_generation)
-        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
-        r.add_post("/update_weight_version", self.update_weight_version)
-        r.add_route("*", "/release_memory_occupation", self.release_memory_occupation)
-        r.add_route("*", "/resume_memory_occupation", self.resume_memory_occupation)
-        r.add_post("/init_weights_update_group", self.unsupported_distributed)
-        r.add_post("/update_weights_from_distributed", self.unsupported_distributed)
+        r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
+        self.add_control_routes(r)
+        self._unpaused = asyncio.Event()
+        """Cleared by /pause_generation: new requests wait for /continue_generation before anything."""
+        self._unpaused.set()
+        self._update_lock = aiorwlock.RWLock()
+        """SGLang's model-update lock: each request holds it to read, an unpaused weight update to write."""
+        self._held = 0
+        """Requests waiting for /continue_generation before being looked at."""
+        self._live: set[str] = set()
+        """Ids of the requests being served (their prompts' and samples'): no two may share one."""
         self.started = time.time()
         self._weight_bytes = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values()) + 2**20
         """The most shared memory one update item may map: the model's own weights (and a little)."""
@@ -109,9 +110,10 @@ class EngineServer:
     # --- info ---------------------------------------------------------------------------
 
     def _awaiting_weights(self) -> web.Response | None:
-        """A replacement engine (started with a non-numeric weight version, e.g. `pending`) serves nothing
-        until the trainer's weights arrive with a version: 503 on /health and /generate till then."""
-        if self.engine.weight_version.lstrip("-").isdigit():
+        """A replacement engine, started with the weight version `pending`, serves nothing until the
+        trainer's weights arrive with a version: 503 on /health and /generate till then. Any other
+        version is a name, as in SGLang."""
+        if self.engine.weight_version != p.PENDING_VERSION:
             return None
         return error(503, f"weight version {self.engine.weight_version!r}: waiting for the trainer's weights")
 
@@ -121,14 +123,25 @@ class EngineServer:
         return self._awaiting_weights() or web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        seq = Sequence(rid=f"health-{uuid.uuid4().hex}", prompt=[0],
+        """SGLang's: one token from a one-token prompt, as a request (held while paused, behind a weight
+        update); 503 if it has not come within HEALTH_CHECK_TIMEOUT seconds."""
+        seq = Sequence(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt=[0],
                        params=p.SamplingParams(max_new_tokens=1, temperature=0.0))
-        seqs = await self._run([seq])
-        return web.Response(status=200 if seqs else 503)
+
+        async def one() -> None:
+            await self._held_until_continued()
+            async with self._update_lock.reader_lock:
+                await self._run([seq])
+
+        try:
+            await asyncio.wait_for(one(), HEALTH_CHECK_TIMEOUT)
+        except TimeoutError:
+            return web.Response(status=503)
+        return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
         cfg = self.engine.model.config
-        return web.json_response({
+        return json_response({
             "model_path": self.model_path,
             "served_model_name": self.model_path,
             # a local path, so that sglang-router loads the tokenizer without a hub
@@ -152,12 +165,13 @@ class EngineServer:
         `speculative_eagle_topk`, `internal_states`), with this engine's values."""
         e = self.engine
         state = {
-            "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting), "paused": e.paused,
+            "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting), "num_held_reqs": self._held,
+            "paused": e.paused,
             "decode_steps": e.steps, "generated_tokens": e.generated_tokens, "finished_reqs": e.finished,
             "aborted_reqs": e.aborted, "memory_released": sorted(e.released),
             "startup_time": self.started, "effective_max_running_requests_per_dp": e.max_batch_size,
         }
-        return web.json_response({
+        return json_response({
             "version": SGLANG_API_VERSION,
             "engine": "slime_async embedded",
             "model_path": self.model_path,
@@ -191,22 +205,56 @@ class EngineServer:
         body = await _read_at_most(request, GENERATE_MAX_BYTES)  # chunked bodies too: never more
         if body is None:
             return error(413, f"/generate: a body over {GENERATE_MAX_BYTES} bytes")
-        try:
+        try:  # SGLang's contract check: a 400 even for a stream
             req = p.decode_body(body, p.GenerateReqInput)
-            unsupported = p.unsupported_fields(req)
-            if unsupported:
-                raise ValueError(f"{', '.join(unsupported)}: not supported by the embedded engine (SGLang has it)")
-            prompts, single = requests.split(req, self.engine.max_batch_size)
-            seqs = await self._sequences(req, prompts)
         except ValueError as exc:
             return error(400, str(exc))
-        if req.stream:
-            return await self._stream(request, req, seqs, single)
-        done = await self._run(seqs)
-        outs = [self._output(req, s) for s in done]
-        return web.json_response(outs[0] if single else outs)
+        await self._held_until_continued()
+        async with self._update_lock.reader_lock:
+            try:
+                seqs, single = await self._admit(req)
+            except ValueError as exc:
+                if req.stream:
+                    return await self._stream_error(request, str(exc))
+                return error(400, str(exc))
+            rids = {s.rid for s in seqs} | {s.request.rid for s in seqs}
+            self._live |= rids
+            try:
+                if req.stream:
+                    return await self._stream(request, req, seqs, single)
+                done = await self._run(seqs)
+                outs = [reply(req, s, self.engine.tokenizer, self.engine.weight_version, True) for s in done]
+                return json_response(outs[0] if single else outs)
+            finally:
+                self._live -= rids
 
-    async def _sequences(self, req: p.GenerateReqInput, prompts: list[requests.Prompt]) -> list[Sequence]:
+    async def _held_until_continued(self) -> None:
+        """SGLang holds a request that arrives while paused before anything else, until continued
+        (counted in `/server_info` as `num_held_reqs`: SGLang's scheduler does not see them either)."""
+        self._held += 1
+        try:
+            await self._unpaused.wait()
+        finally:
+            self._held -= 1
+
+    async def _admit(self, req: p.GenerateReqInput) -> tuple[list[Sequence], bool]:
+        """The request's sequences, or a ValueError naming what SGLang would refuse."""
+        unsupported = p.unsupported_fields(req)
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)}: not supported by the embedded engine (SGLang has it)")
+        if req.sampling_logprobs_mode is not None:  # SGLang's rule; sampling masks are not served here
+            raise ValueError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
+        for name in ("routed_dp_rank", "data_parallel_rank"):
+            rank = getattr(req, name)
+            if rank not in (None, 0):  # SGLang's range check; this engine is its only rank
+                raise ValueError(f"{name}={rank} out of range [0, 1)")
+        prompts, single = requests.split(req, self.engine.max_batch_size)
+        for rid in [q.rid for q in prompts] + [r for q in prompts for r in q.sample_rids()]:
+            if rid in self._live:
+                raise ValueError(f"Duplicate request ID detected: {rid}")
+        return await self._sequences(prompts), single
+
+    async def _sequences(self, prompts: list[requests.Prompt]) -> list[Sequence]:
         """The sequences to run, prompt by prompt and sample by sample; a ValueError naming the field
         when a prompt cannot run (nothing has been queued then)."""
         tok = self.engine.tokenizer
@@ -219,8 +267,8 @@ class EngineServer:
                                  f"{self.engine.context_length}")
         texts = [q.text for q in prompts if q.text is not None]
         if texts:  # off the event loop: a long prompt would otherwise stall every other request
-            encoded = iter(await asyncio.to_thread(
-                lambda: [tok.encode(t, add_special_tokens=False) for t in texts]))
+            # SGLang tokenizes text with the tokenizer's special tokens (a BOS where the model has one)
+            encoded = iter(await asyncio.to_thread(lambda: [tok.encode(t) for t in texts]))
             for prompt in prompts:
                 if prompt.text is not None:
                     prompt.input_ids = next(encoded)
@@ -235,7 +283,8 @@ class EngineServer:
         return seqs
 
     def _check(self, prompt: requests.Prompt) -> int:
-        """Refuse what SGLang refuses for this prompt; the stop-string window (`Sequence.stop_window`)."""
+        """Refuse what SGLang refuses for this prompt and settle `max_new_tokens`; returns the
+        stop-string window (`Sequence.stop_window`)."""
         sp, ids, where = prompt.params, prompt.input_ids or [], prompt.where
         if sp.top_k == 0 or sp.top_k < -1:
             raise ValueError(f"sampling_params.top_k must be -1 (disable) or at least 1, got {sp.top_k}")
@@ -245,237 +294,113 @@ class EngineServer:
         if bad:
             raise ValueError(f"{where}: token {bad[0]} is outside the vocabulary (0..{self.engine.vocab_size - 1})")
         limit = self.engine.context_length
-        if len(ids) + sp.max_new_tokens > limit:
+        if len(ids) >= limit:
+            raise ValueError(f"{where}: the input ({len(ids)} tokens) is longer than the model's context length "
+                             f"({limit} tokens)")
+        wanted = sp.max_new_tokens
+        if isinstance(wanted, int) and len(ids) + wanted > limit:
             raise ValueError(
-                f"sampling_params.max_new_tokens: {len(ids)} prompt tokens + {sp.max_new_tokens} new tokens "
+                f"sampling_params.max_new_tokens: {len(ids)} prompt tokens + {wanted} new tokens "
                 f"exceed the context length {limit}"
             )
+        if not isinstance(wanted, int):  # absent: 128 at most; null: to the context's end (SGLang's clamp)
+            room = limit - len(ids)
+            prompt.params = sp = _with(sp, max_new_tokens=room if wanted is None else min(128, room))
         if prompt.return_logprob and not -1 <= prompt.logprob_start_len <= len(ids):
             raise ValueError(f"logprob_start_len: {prompt.logprob_start_len}, for a prompt of {len(ids)} tokens "
                              "(-1 or 0..the prompt's length)")
-        stops = [sp.stop] if isinstance(sp.stop, str) else sp.stop or []
+        stops = _stops(sp)
         if len(stops) > MAX_STOP_COUNT:
             raise ValueError(f"sampling_params.stop: at most {MAX_STOP_COUNT} stop strings are allowed, "
                              f"got {len(stops)}")
         lengths = [len(self.engine.tokenizer.encode(s, add_special_tokens=False)) for s in stops]
         return max(lengths, default=0) + 1
 
-    async def _run(self, seqs: list[Sequence], on_update: Any = None) -> list[Sequence]:
+    async def _run(self, seqs: list[Sequence]) -> list[Sequence]:
         loop = asyncio.get_running_loop()
         futures = []
         for seq in seqs:
             done: asyncio.Future = loop.create_future()
             seq.on_finish = lambda s, f=done: loop.call_soon_threadsafe(_set, f, s)
-            seq.on_update = on_update
             futures.append(done)
             self.engine.submit(seq)
         try:
             return list(await asyncio.gather(*futures))
         except asyncio.CancelledError:  # the client went away: stop decoding for it
-
-            def abort() -> None:
-                for seq in seqs:
-                    self.engine.abort(rid=seq.rid)
-
-            self.engine.call(abort)
+            await self._abort(seqs)
             raise
 
-    def _output(self, req: p.GenerateReqInput, seq: Sequence) -> dict[str, Any]:
-        """SGLang's reply for one sample: text (the matched stop trimmed off), output ids, meta_info."""
-        tok = self.engine.tokenizer
-        prompt: requests.Prompt | None = seq.request
-        meta: dict[str, Any] = {
-            "id": seq.rid,
-            "finish_reason": seq.finish_reason,
-            "prompt_tokens": len(seq.prompt),
-            "completion_tokens": len(seq.output),
-            "cached_tokens": 0,
-            "reasoning_tokens": 0,
-            "num_retractions": seq.retractions,
-            "e2e_latency": time.monotonic() - seq.created,
-        }
-        if prompt is not None and prompt.return_logprob:
-            words = req.return_text_in_logprobs
-            meta["input_token_logprobs"] = [[lp, t, tok.decode([t]) if words else None]
-                                            for lp, t in seq.input_logprobs or []]
-            texts = [tok.decode([t]) for t in seq.output] if words else None
-            meta["output_token_logprobs"] = [
-                [lp, t, texts[i] if texts else None] for i, (lp, t) in enumerate(zip(seq.logprobs, seq.output,
-                                                                                     strict=True))
-            ]
-            meta["output_token_logprobs_length"] = len(seq.output)
-        spans = version_spans(seq.versions) or [{"version": self.engine.weight_version, "start": 0, "end": 0}]
-        meta["weight_versions"] = spans
-        meta["weight_version"] = spans[-1]["version"]
-        return {"text": _text(tok, seq), "output_ids": list(seq.output), "meta_info": meta}
+    async def _abort(self, seqs: list[Sequence]) -> None:
+        """Abort `seqs` and wait until the engine has (shielded: the caller is being cancelled), so
+        that their ids stop being live only once nothing decodes for them."""
+        def abort() -> None:
+            for seq in seqs:
+                self.engine.abort(rid=seq.rid)
+
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.engine.call(abort, asyncio.get_running_loop()))
 
     async def _stream(self, request: web.Request, req: p.GenerateReqInput, seqs: list[Sequence],
                       single: bool) -> web.StreamResponse:
-        """SSE: one `data: {...}` event per new token of a sample with its output so far (and, for a
-        batch or n > 1, its `index` in the reply), then `data: [DONE]`."""
+        """SSE as SGLang's `_stream_batch_responses`: an event per new token of a sample (every
+        `stream_interval` tokens; not while its text ends in a partial character or could be starting a
+        stop string) with its output so far, its final event as soon as it finishes, `index` (its place
+        in the reply) for a batch or n > 1; then `data: [DONE]`."""
         loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[Sequence] = asyncio.Queue()
+        events: asyncio.Queue[tuple[Sequence, bool]] = asyncio.Queue()
         index = {seq.rid: i for i, seq in enumerate(seqs)}
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        task = asyncio.ensure_future(
-            self._run(seqs, on_update=lambda s: loop.call_soon_threadsafe(updates.put_nowait, _snapshot(s))))
+        for seq in seqs:
+            seq.on_update = lambda s: loop.call_soon_threadsafe(events.put_nowait, (_snapshot(s), False))
+            seq.on_finish = lambda s: loop.call_soon_threadsafe(events.put_nowait, (s, True))
+        response = await self._event_stream(request)
+        tok = self.engine.tokenizer
 
-        async def send(seq: Sequence) -> None:
-            out = self._output(req, seq)
+        async def send(seq: Sequence, finished: bool) -> None:
+            out = reply(req, seq, tok, self.engine.weight_version, finished)
             if not single:
                 out["index"] = index[seq.rid]
-            await response.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+            await response.write(b"data: " + dumps(out) + b"\n\n")
 
+        for seq in seqs:
+            self.engine.submit(seq)
+        left = len(seqs)
         try:
-            while not task.done():
-                getter = asyncio.ensure_future(updates.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    await send(getter.result())
-                else:
-                    getter.cancel()
-            while not updates.empty():  # updates queued before the end: none is skipped
-                await send(updates.get_nowait())
-            for seq in task.result():
-                await send(seq)
+            while left:
+                seq, finished = await events.get()
+                if finished:
+                    left -= 1
+                    await send(seq, True)
+                    continue
+                every = seq.params.stream_interval or 1
+                if len(seq.output) % every == 0 and not held_back(tok.decode(seq.output), _stops(seq.params)):
+                    await send(seq, False)
             await response.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
-            task.cancel()
+            await self._abort(seqs)
             raise
         return response
 
-    # --- control ------------------------------------------------------------------------
+    async def _stream_error(self, request: web.Request, message: str) -> web.StreamResponse:
+        """A stream refused after SGLang's contract check: an error event, then `[DONE]` (HTTP 200)."""
+        response = await self._event_stream(request)
+        event = {"error": {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}}
+        await response.write(b"data: " + dumps(event) + b"\n\ndata: [DONE]\n\n")
+        return response
 
-    async def _body(self, request: web.Request, type: Any) -> Any:
-        return p.decode_body(await request.read(), type)
-
-    async def _engine_call(self, fn: Any) -> Any:
-        return await self.engine.call(fn, asyncio.get_running_loop())
-
-    async def abort_request(self, request: web.Request) -> web.Response:
-        try:
-            req = await self._body(request, p.AbortReq)
-        except ValueError as exc:
-            return error(400, str(exc))
-        await self._engine_call(lambda: self.engine.abort(req.rid or "", req.abort_all))
-        return web.Response(status=200)
-
-    async def flush_cache(self, request: web.Request) -> web.Response:
-        # No prefix cache outlives a request yet, so there is nothing to flush.
-        return web.Response(text="Cache flushed.\n", status=200)
-
-    async def pause_generation(self, request: web.Request) -> web.Response:
-        try:
-            req = await self._body(request, p.PauseGenerationReqInput)
-        except ValueError as exc:
-            return error(400, str(exc))
-        await self._engine_call(lambda: self.engine.pause(req.mode))
-        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
-
-    async def continue_generation(self, request: web.Request) -> web.Response:
-        try:
-            await self._body(request, p.ContinueGenerationReqInput)
-        except ValueError as exc:
-            return error(400, str(exc))
-        await self._engine_call(self.engine.resume)
-        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
-
-    async def release_memory_occupation(self, request: web.Request) -> web.Response:
-        try:
-            req = await self._body(request, p.ReleaseMemoryOccupationReqInput)
-            before = _device_gib()
-            await self._engine_call(lambda: self.engine.release_memory(req.tags))
-        except ValueError as exc:
-            return error(400, str(exc))
-        # in the engine's log: when, and what a colocated trainer gains
-        gained = f": {before:.2f} -> {_device_gib():.2f} GiB allocated" if before is not None else ""
-        print(f"released {req.tags or 'all'}{gained}", flush=True)
-        return web.json_response(None)  # SGLang's handler answers nothing on success
-
-    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        try:
-            req = await self._body(request, p.ResumeMemoryOccupationReqInput)
-        except ValueError as exc:
-            return error(400, str(exc))
-        await self._engine_call(lambda: self.engine.resume_memory(req.tags))
-        return web.json_response(None)
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        try:
-            req = await self._body(request, p.UpdateWeightFromDiskReqInput)
-            _refuse(p.refused_update_fields(req))
-            tensors = await asyncio.to_thread(read_checkpoint, req.model_path)
-        except ValueError as exc:
-            return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
-        ok, message = await self._update(tensors, req.weight_version, req.abort_all_requests)
-        return web.json_response({"success": ok, "message": message, "num_paused_requests": 0},
-                                 status=200 if ok else 400)
-
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        try:
-            req = await self._body(request, p.UpdateWeightsFromTensorReqInput)
-            _refuse(p.refused_update_fields(req))
-            arrived = time.time()
-            tensors = await asyncio.to_thread(decode_named_tensors, req.serialized_named_tensors, self._weight_bytes,
-                                              self._shared_since)
-        except ValueError as exc:
-            return web.json_response({"success": False, "message": str(exc)}, status=400)
-        ok, message = await self._update(tensors, req.weight_version, req.abort_all_requests)
-        if ok:  # the next update's shared files are made after this one arrived
-            self._shared_since = arrived
-        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
-
-    async def _update(self, tensors: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> tuple[bool, str]:
-        def apply() -> int:
-            if abort_all:
-                self.engine.abort(abort_all=True)
-            return self.engine.load_weights(tensors, version)
-
-        try:
-            n = await self._engine_call(apply)
-        except ValueError as exc:
-            return False, f"weights not updated: {exc}"
-        return True, f"Succeeded to update {n} tensors; weight version {self.engine.weight_version}."
-
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        try:
-            req = await self._body(request, p.UpdateWeightVersionReqInput)
-        except ValueError as exc:
-            return web.json_response({"success": False, "message": str(exc)}, status=400)
-
-        def apply() -> None:
-            if req.abort_all_requests:
-                self.engine.abort(abort_all=True)
-            self.engine.set_version(req.new_version)
-
-        await self._engine_call(apply)
-        return web.json_response({"success": True, "message": f"Weight version updated to {req.new_version}",
-                                  "new_version": req.new_version})
-
-    async def unsupported_distributed(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"success": False, "message": f"{request.path} (NCCL weight broadcast) is not supported by the "
-             "embedded engine; use update_weights_from_tensor or update_weights_from_disk"}, status=501)
+    @staticmethod
+    async def _event_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        return response
 
 
-def _refuse(reasons: list[str]) -> None:
-    if reasons:
-        raise ValueError("; ".join(reasons))
+def _stops(sp: p.SamplingParams) -> list[str]:
+    return [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
 
 
-def _text(tokenizer: Any, seq: Sequence) -> str:
-    """SGLang's detokenizer (`trim_matched_stop`): a matched stop token is left out of the text, and
-    the text is cut before the first occurrence of a matched stop string, unless `no_stop_trim`."""
-    sp = seq.params
-    matched = (seq.finish_reason or {}).get("matched")
-    ids = seq.output
-    if isinstance(matched, int) and not sp.no_stop_trim and ids:
-        ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
-    if isinstance(matched, str) and (pos := text.find(matched)) != -1:
-        text = text[: pos + len(matched)] if sp.no_stop_trim else text[:pos]
-    return text
+def _with(sp: p.SamplingParams, **changes: Any) -> p.SamplingParams:
+    """A copy of a request's sampling parameters with `changes` (the batch's prompts may share one)."""
+    return msgspec.structs.replace(sp, **changes)
 
 
 def _snapshot(seq: Sequence) -> Sequence:
@@ -483,10 +408,6 @@ def _snapshot(seq: Sequence) -> Sequence:
     loop writes this update, so each streamed event shows exactly the tokens it announces."""
     return dataclasses.replace(seq, output=list(seq.output), logprobs=list(seq.logprobs),
                                versions=list(seq.versions), on_update=None, on_finish=None)
-
-
-def _device_gib() -> float | None:
-    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def _cross_site(request: web.Request) -> str | None:

@@ -29,6 +29,7 @@ import msgspec
 from slime_async.config import Config, ConfigError
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.config.schema import ADMIN_TOKEN_ENV
+from slime_async.engine.protocol import PENDING_VERSION  # what a replacement engine reports until trained weights
 from slime_async.launch.health import wait_healthy
 from slime_async.launch.process import start_process
 from slime_async.launch.sglang_command import preflight, router_argv, sglang_argv
@@ -38,10 +39,6 @@ from slime_async.train.run_log import append_event
 HOST, PORT, CONFIG = "@HOST@", "@PORT@", "@CONFIG@"
 """Placeholders in a part's command line, filled in where the process starts: the address it binds
 to and announces, a port (the requested one, or a free one there), the config file it reads."""
-
-PENDING_VERSION = "pending"
-"""The weight version a replacement engine reports until the trainer pushes the current weights:
-not a number, so rollout clients refuse its tokens and the publisher sees it is behind."""
 
 ENGINE_READY = r"serving on (http://\S+)"
 

@@ -142,12 +142,15 @@ class NcclBroadcaster:
         """Broadcast every bucket; all engines take part in each broadcast, so one push serves all."""
         await self._ensure_group()
         async with self._broadcast_lock:
+            # every engine paused in place first (the publisher continues each once whole): an unpaused
+            # SGLang engine would hold its part of the broadcast until its running requests finish
+            await asyncio.gather(*(self.publisher._pause(u) for u in self.publisher.urls))
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
                 body = {
                     "names": list(bucket), "dtypes": [str(t.dtype).removeprefix("torch.") for t in bucket.values()],
                     "shapes": [list(t.shape) for t in bucket.values()], "group_name": GROUP_NAME,
-                    "flush_cache": last,
+                    "flush_cache": False,  # requests paused in place keep running: SGLang refuses a flush
                 }
                 if last:
                     body["weight_version"] = str(version)

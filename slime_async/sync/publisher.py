@@ -1,12 +1,15 @@
 """Publishing the trainer's weights to every engine, in place, over SGLang's HTTP API.
 
-One push to one engine, in tensor mode with more than one bucket:
-`/pause_generation {mode: in_place}` -> every bucket to `/update_weights_from_tensor` (the version
+One push to one engine: `/pause_generation {mode: in_place}` -> every bucket to
+`/update_weights_from_tensor` (or the version's directory to `/update_weights_from_disk`; the version
 only on the last) -> `/continue_generation`. Each request is applied by the engine all or nothing;
 the pause makes the whole push so: no token is generated from a mix of two versions, and an engine
 whose push failed half-way stays paused (it never serves half-updated weights) until a retry, the
-next publish or `reconcile` completes it. One bucket needs no pause. A failed push is retried from
-the start (the whole push, never the rest of one).
+next publish or `reconcile` completes it. The pause is needed even for one bucket: SGLang applies an
+update on an unpaused engine only once every running request has finished (its model-update lock),
+which would stall generation for the longest one. Requests paused in place keep their KV cache, so
+`flush_cache` is false: SGLang refuses a flush while requests run (the update would answer
+`success: false`). A failed push is retried from the start (the whole push, never the rest of one).
 
 An engine's version is what its `/get_model_info` reports (`weight_version`, the decimal number of
 optimizer steps). An engine that missed an update (it was down, or restarted with its initial
@@ -301,8 +304,9 @@ class WeightPublisher:
                 if self.vllm:
                     await vllm_push_disk(self, url, path.resolve(), version)
                     return
-                await self._post(url, "/update_weights_from_disk",
-                                 {"model_path": str(path.resolve()), "weight_version": str(version)})
+                await self._pause(url)
+                await self._post(url, "/update_weights_from_disk", {
+                    "model_path": str(path.resolve()), "weight_version": str(version), "flush_cache": False})
 
             return push_disk, nbytes, 1
         if mode == "nccl":
@@ -330,11 +334,14 @@ class WeightPublisher:
         return fmt == "shared" or (fmt == "auto" and any(t.is_cuda for _, t in named))
 
     async def _push_tensor(self, url: str, bodies: list[bytes], version: int) -> None:
-        if len(bodies) > 1:
-            await self._post(url, "/pause_generation", {"mode": "in_place"})
-            self._paused.add(url)
+        await self._pause(url)
         for body in bodies:
             await self._post(url, "/update_weights_from_tensor", body)
+
+    async def _pause(self, url: str) -> None:
+        """Pause in place (see the module's docstring); `_push_with_retries` continues once whole."""
+        await self._post(url, "/pause_generation", {"mode": "in_place"})
+        self._paused.add(url)
 
     async def _push_with_retries(self, push: Callable[[str], Any], url: str) -> tuple[int, str | None]:
         """(attempts made, last error or None)."""
@@ -359,8 +366,9 @@ class WeightPublisher:
 
 
 def _tensor_body(items: list[str] | list[bytes], version: int, last: bool) -> bytes:
-    """One `/update_weights_from_tensor` request body (the version and cache flush on the last)."""
-    body: dict[str, Any] = {"serialized_named_tensors": items, "flush_cache": last}
+    """One `/update_weights_from_tensor` request body (the version on the last; no cache flush: the
+    engine is paused in place with requests running, see the module's docstring)."""
+    body: dict[str, Any] = {"serialized_named_tensors": items, "flush_cache": False}
     if last:
         body["weight_version"] = str(version)
     return msgspec.json.encode(body)

@@ -123,9 +123,9 @@ async def test_groups_of_agent_episodes_go_through_the_scheduler(tool_engine: En
 
 
 async def wait_for_waiting(url: str, timeout_s: float = 30) -> None:
-    """Wait (bounded) until the paused engine holds a request."""
+    """Wait (bounded) until the paused engine holds a request (as SGLang does, before looking at it)."""
     for _ in range(int(timeout_s / 0.02)):
-        if (await server_info(url))["internal_states"][0]["num_waiting_reqs"] >= 1:
+        if (await server_info(url))["internal_states"][0]["num_held_reqs"] >= 1:
             return
         await asyncio.sleep(0.02)
     pytest.fail("the agent's call never reached the engine")

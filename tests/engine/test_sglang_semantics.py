@@ -74,8 +74,13 @@ async def test_control_bodies_with_sglangs_optional_fields_are_served(engine_url
     ]:
         status, out = await post(engine_url, path, body)
         assert status == 200, (path, out)
-    status, out = await post(engine_url, "/update_weights_from_disk", {"model_path": "/nowhere", "selector": "draft"})
+    status, out = await post(engine_url, "/update_weights_from_tensor", {"serialized_named_tensors": [],
+                                                                         "selector": "draft"})
     assert status == 400 and "selector" in out["message"]
+    # unknown keys are ignored (SGLang decodes these bodies with extra_behavior="ignore"); no body is a 400
+    assert (await post(engine_url, "/abort_request", {"rid": "x", "from_a_newer_sglang": 1}))[0] == 200
+    async with aiohttp.ClientSession() as session, session.post(engine_url + "/continue_generation") as resp:
+        assert resp.status == 400
 
 
 # --- batch input (io_struct.py: normalize_batch_and_arguments; tokenizer_manager: _handle_batch_request) ---
@@ -256,24 +261,36 @@ async def test_streamed_samples_carry_their_index(engine_url: str, reference: to
         by_index.setdefault(chunk["index"], []).append(chunk)
     assert sorted(by_index) == [0, 1]
     for samples in by_index.values():
-        assert [len(c["output_ids"]) for c in samples] == [1, 2, 3, 4, 5]
+        lengths = [len(c["output_ids"]) for c in samples]
+        assert lengths == sorted(set(lengths)) and lengths[-1] == 5  # growing, one event per token at most
         assert samples[-1]["output_ids"] == hf_greedy(reference, ids, 5)
         assert samples[-1]["meta_info"]["finish_reason"]["type"] == "length"
-    single = await _events(engine_url, {**greedy_body(ids, 3), "stream": True})
+        assert [c["meta_info"]["finish_reason"] for c in samples[:-1]] == [None] * (len(samples) - 1)
+        # SGLang's detokenizer holds back a chunk that ends inside a character
+        assert not any(c["text"].endswith("\ufffd") for c in samples[:-1])
+    single = await _events(engine_url, {**greedy_body(ids, 9), "stream": True,
+                                        "sampling_params": {"max_new_tokens": 9, "temperature": 0,
+                                                            "ignore_eos": True, "stream_interval": 4}})
     assert all("index" not in c for c in single)
+    assert all(len(c["output_ids"]) % 4 == 0 for c in single[:-1]) and len(single[-1]["output_ids"]) == 9
 
 
 # --- abort (schedule_batch.py: FINISH_ABORT; scheduler.py: abort_request's prefix match) ---------
 
 
-async def test_an_abort_by_prefix_ends_a_batch_with_sglangs_finish_reason(engine_url: str,
-                                                                         sglang_api: ModuleType) -> None:
+async def test_an_abort_names_a_live_request_and_ends_it_with_sglangs_finish_reason(
+        engine_url: str, sglang_api: ModuleType) -> None:
+    """SGLang forwards an abort only for the id of a live request (here a batch's `grp_0`, not the
+    batch's own `grp`), and `abort_all` ends everything; either way the partial output comes back."""
     body = {"input_ids": [PROMPTS[0], PROMPTS[1]], "rid": "grp",
             "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}
     request = asyncio.ensure_future(post(engine_url, "/generate", body))
     await wait_for_tokens(engine_url, running=2)
-    status, _ = await post(engine_url, "/abort_request", {"rid": "grp"})
-    assert status == 200
+    assert (await post(engine_url, "/abort_request", {"rid": "grp"}))[0] == 200
+    async with aiohttp.ClientSession() as session, session.get(engine_url + "/get_server_info") as resp:
+        assert (await resp.json())["internal_states"][0]["num_running_reqs"] == 2  # no live request is "grp"
+    assert (await post(engine_url, "/abort_request", {"rid": "grp_0"}))[0] == 200
+    assert (await post(engine_url, "/abort_request", {"abort_all": True}))[0] == 200
     status, out = await asyncio.wait_for(request, 60)
     assert status == 200 and len(out) == 2
     fields = set(sglang_api.FinishAbort.__struct_fields__) | {"type"}
@@ -321,3 +338,94 @@ def sglang_wheel_fields() -> set[str]:
                     keys |= {k.value for k in node.keys if isinstance(k, ast.Constant)}
     assert {"model_path", "page_size", "max_req_input_len", "version"} <= keys  # the parse found them
     return keys
+
+
+# --- defaults, ids, routes (sampling_params.py __post_init__; tokenizer_manager.py; http_server.py) ---
+
+
+async def test_null_is_each_fields_default_and_max_new_tokens_fits_the_context(engine_url: str,
+                                                                               reference: torch.nn.Module) -> None:
+    ids = PROMPTS[1]
+    status, out = await post(engine_url, "/generate", {"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 6, "top_p": None, "top_k": None, "n": None, "ignore_eos": True,
+        "skip_special_tokens": None, "stop": None}})
+    assert status == 200 and out["output_ids"] == hf_greedy(reference, ids, 6)
+    long = [3 + i % 200 for i in range(1000)]  # 1,000 of the engine's 1,024 positions
+    status, out = await post(engine_url, "/generate", {"input_ids": long, "sampling_params": {
+        "temperature": 0, "ignore_eos": True}})  # absent: 128, clamped to the 24 left
+    assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
+    status, out = await post(engine_url, "/generate", {"input_ids": long[:900], "sampling_params": {
+        "temperature": 0, "ignore_eos": True, "max_new_tokens": None}})  # null: to the context's end
+    assert status == 200 and len(out["output_ids"]) == 124
+    status, out = await post(engine_url, "/generate", {"input_ids": long, "sampling_params": {"max_new_tokens": 25}})
+    assert status == 400 and "max_new_tokens" in out["error"]["message"]
+    status, out = await post(engine_url, "/generate", {"input_ids": [3 + i % 200 for i in range(1024)],
+                                                       "sampling_params": {"max_new_tokens": 0}})
+    assert status == 400 and "longer than the model's context length" in out["error"]["message"]
+
+
+async def test_text_is_tokenized_as_the_tokenizer_does_by_default(engine_url: str, tokenizer: Any) -> None:
+    """SGLang calls the tokenizer with its special tokens (a BOS where the model has one)."""
+    text = "What is 2 + 3?"
+    status, out = await post(engine_url, "/generate", {"text": text, "return_prompt_token_ids": True,
+                                                       "sampling_params": {"max_new_tokens": 1}})
+    assert status == 200 and out["prompt_token_ids"] == tokenizer(text).input_ids
+    assert out["meta_info"]["prompt_tokens"] == len(out["prompt_token_ids"])
+
+
+async def test_a_request_id_in_use_is_refused(engine_url: str) -> None:
+    request = asyncio.ensure_future(post(engine_url, "/generate", {**greedy_body(PROMPTS[0], 400), "rid": "twice"}))
+    await wait_for_tokens(engine_url)
+    status, out = await post(engine_url, "/generate", {**greedy_body(PROMPTS[1], 4), "rid": "twice"})
+    assert status == 400 and out["error"]["message"] == "Duplicate request ID detected: twice"
+    await post(engine_url, "/abort_request", {"rid": "twice"})
+    assert (await asyncio.wait_for(request, 60))[0] == 200
+    assert (await post(engine_url, "/generate", {**greedy_body(PROMPTS[1], 4), "rid": "twice"}))[0] == 200
+
+
+async def test_an_empty_stop_string_stops_at_once(engine_url: str) -> None:
+    status, out = await post(engine_url, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {
+        "max_new_tokens": 8, "stop": [""]}})
+    assert status == 200 and len(out["output_ids"]) == 1 and out["text"] == ""
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ""}
+
+
+async def test_a_stream_refused_after_the_contract_check_sends_an_error_event(engine_url: str) -> None:
+    events = await _events(engine_url, {"input_ids": [1, 2], "stream": True, "sampling_params": {"top_k": 0}})
+    assert events == [{"error": {"message": "sampling_params.top_k must be -1 (disable) or at least 1, got 0",
+                                 "type": "invalid_request_error", "code": 400, "retryable": False}}]
+    status, _ = await post(engine_url, "/generate", {"input_ids": "x", "stream": True})
+    assert status == 400  # the contract check itself still answers 400
+
+
+async def test_routes_take_sglangs_methods(engine_url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(engine_url + "/generate") as resp:
+            assert resp.status == 405
+        async with session.put(engine_url + "/generate", json={"input_ids": [1], "sampling_params": {
+                "max_new_tokens": 1}}) as resp:
+            assert resp.status == 200
+        async with session.get(engine_url + "/flush_cache") as resp:  # idle: flushed
+            assert resp.status == 200 and (await resp.text()).startswith("Cache flushed.")
+
+
+async def test_a_request_aborted_in_the_queue_gets_sglangs_short_reply(engine_url: str) -> None:
+    """The engine's batch is 6: the seventh request waits in the queue; aborting it there answers as
+    SGLang's `_handle_abort_req` does (type and message, no prompt or cache counts)."""
+    running = [asyncio.ensure_future(post(engine_url, "/generate", {**greedy_body(PROMPTS[0], 900), "rid": f"r{i}"}))
+               for i in range(6)]
+    await wait_for_tokens(engine_url, running=6)
+    queued = asyncio.ensure_future(post(engine_url, "/generate", {**greedy_body(PROMPTS[1], 900), "rid": "queued"}))
+    async with aiohttp.ClientSession() as session:
+        for _ in range(1500):  # bounded: until the engine reports it waiting
+            async with session.get(engine_url + "/get_server_info") as resp:
+                if (await resp.json())["internal_states"][0]["num_waiting_reqs"] == 1:
+                    break
+    assert (await post(engine_url, "/abort_request", {"rid": "queued"}))[0] == 200
+    status, out = await asyncio.wait_for(queued, 60)
+    assert status == 200
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert out["output_ids"] == [] and out["meta_info"]["completion_tokens"] == 0
+    assert "prompt_tokens" not in out["meta_info"] and out["meta_info"]["output_token_logprobs"] == []
+    await post(engine_url, "/abort_request", {"abort_all": True})
+    await asyncio.wait_for(asyncio.gather(*running), 60)

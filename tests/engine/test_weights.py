@@ -34,8 +34,8 @@ def tensor_body(model: torch.nn.Module, version: str, **extra: object) -> dict:
     }
 
 
-async def set_weights(url: str, model: torch.nn.Module, version: str) -> None:
-    status, out = await post(url, "/update_weights_from_tensor", tensor_body(model, version))
+async def set_weights(url: str, model: torch.nn.Module, version: str, **extra: object) -> None:
+    status, out = await post(url, "/update_weights_from_tensor", tensor_body(model, version, **extra))
     assert status == 200 and out["success"], out
 
 
@@ -71,13 +71,35 @@ async def test_disk_update(engine_url: str, reference: torch.nn.Module, other: t
     await set_weights(engine_url, reference, "0")
 
 
-async def test_in_place_update_mid_request_splits_versions(
+async def test_an_unpaused_update_waits_for_the_running_requests(
     engine_url: str, reference: torch.nn.Module, other: torch.nn.Module
 ) -> None:
-    """No pause: the update lands between two decode steps; tokens after it carry the new version."""
+    """No pause: as SGLang's model-update lock has it, the update waits until the running request has
+    finished (every token of it from version 0), then applies; a request sent after it sees version 1."""
     request = asyncio.ensure_future(post(engine_url, "/generate", greedy_body(PROMPTS[4], n=600)))
     await wait_for_tokens(engine_url)
     await set_weights(engine_url, other, "1")
+    assert request.done()  # the update answered only after the request had finished
+    _, out = await request
+    assert out["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 600}]
+    _, after = await post(engine_url, "/generate", greedy_body(PROMPTS[2], n=8))
+    assert after["meta_info"]["weight_version"] == "1" and after["output_ids"] == hf_greedy(other, PROMPTS[2], 8)
+    await set_weights(engine_url, reference, "0")
+
+
+async def test_an_in_place_paused_update_splits_versions(
+    engine_url: str, reference: torch.nn.Module, other: torch.nn.Module
+) -> None:
+    """Paused in place, the update applies at once, between two decode steps: the request's tokens after
+    it carry the new version. Its cache flush is refused while the request runs (SGLang's rule): an
+    update that asks for one applies the weights and says it did not flush."""
+    request = asyncio.ensure_future(post(engine_url, "/generate", greedy_body(PROMPTS[4], n=600)))
+    await wait_for_tokens(engine_url)
+    assert (await post(engine_url, "/pause_generation", {"mode": "in_place"}))[0] == 200
+    status, out = await post(engine_url, "/update_weights_from_tensor", tensor_body(other, "1"))
+    assert status == 400 and not out["success"] and "the cache was not flushed" in out["message"]
+    await set_weights(engine_url, other, "1", flush_cache=False)
+    assert (await post(engine_url, "/continue_generation", {}))[0] == 200
     _, out = await asyncio.wait_for(request, 120)
     spans = out["meta_info"]["weight_versions"]
     assert [s["version"] for s in spans] == ["0", "1"]
@@ -122,7 +144,7 @@ async def test_in_place_pause_keeps_requests(engine_url: str, other: torch.nn.Mo
     request = asyncio.ensure_future(post(engine_url, "/generate", greedy_body(PROMPTS[0], n=500)))
     await wait_for_tokens(engine_url)
     await post(engine_url, "/pause_generation", {"mode": "in_place"})
-    await set_weights(engine_url, other, "1")
+    await set_weights(engine_url, other, "1", flush_cache=False)
     await post(engine_url, "/continue_generation", {})
     _, out = await asyncio.wait_for(request, 120)
     assert out["meta_info"]["finish_reason"]["type"] == "length"

@@ -1,10 +1,11 @@
 """A stand-in for SGLang's receiving side of the NCCL weight path, over gloo on CPU (run as a process).
 
 SGLang does not run on CPU machines and the embedded engine answers 501, so this small server
-implements just `/init_weights_update_group` and `/update_weights_from_distributed` with SGLang's
-request bodies (the engine's `protocol` structs, which mirror SGLang's `io_struct`), joins the
-group as rank `rank_offset` and receives each tensor by broadcast from rank 0, in the listed order.
-`/received` reports what arrived. Prints `serving on URL` once bound.
+implements just `/init_weights_update_group`, `/update_weights_from_distributed`,
+`/pause_generation` and `/continue_generation` with SGLang's request bodies (the engine's `protocol`
+structs, which mirror SGLang's `io_struct`), joins the group as rank `rank_offset` and receives each
+tensor by broadcast from rank 0, in the listed order. `/received` reports what arrived and the calls
+in order. Prints `serving on URL` once bound.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from aiohttp import web
 from slime_async.engine import protocol as p
 from slime_async.sync.nccl import init_weight_update_group
 
-state: dict[str, Any] = {"group": None, "version": "0", "received": {}}
+state: dict[str, Any] = {"group": None, "version": "0", "received": {}, "calls": []}
 
 
 async def init_group(request: web.Request) -> web.Response:
@@ -33,8 +34,21 @@ async def init_group(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
 
+async def pause(request: web.Request) -> web.Response:
+    req = p.decode_body(await request.read(), p.PauseGenerationReqInput)
+    state["calls"].append(f"pause {req.mode}")
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def resume(request: web.Request) -> web.Response:
+    p.decode_body(await request.read(), p.ContinueGenerationReqInput)
+    state["calls"].append("continue")
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
 async def update(request: web.Request) -> web.Response:
     req = p.decode_body(await request.read(), p.UpdateWeightsFromDistributedReqInput)
+    state["calls"].append(f"update flush={req.flush_cache}")
 
     def receive() -> None:
         for name, dtype, shape in zip(req.names, req.dtypes, req.shapes, strict=True):
@@ -53,14 +67,17 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def received(request: web.Request) -> web.Response:
-    return web.json_response({n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                                  "values": t.float().flatten().tolist()} for n, t in state["received"].items()})
+    return web.json_response({"calls": state["calls"], "tensors": {
+        n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "values": t.float().flatten().tolist()} for n, t in state["received"].items()}})
 
 
 async def main() -> None:
     app = web.Application(client_max_size=2**30)
     app.router.add_post("/init_weights_update_group", init_group)
     app.router.add_post("/update_weights_from_distributed", update)
+    app.router.add_post("/pause_generation", pause)
+    app.router.add_post("/continue_generation", resume)
     app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/received", received)
     runner = web.AppRunner(app)

@@ -54,6 +54,10 @@ async def test_weights_arrive_by_broadcast_with_the_version(receiver: str) -> No
         assert not report.failed, report.failed
         assert report.buckets == 2 and report.updated == [receiver]
         got = await get(receiver, "/received")
+        # paused in place around the whole push (an unpaused SGLang would wait for its running requests),
+        # no cache flush (SGLang refuses one while requests run)
+        assert got["calls"] == ["pause in_place", "update flush=False", "update flush=False", "continue"]
+        got = got["tensors"]
         for name, t in weights.items():
             assert got[name]["dtype"] == str(t.dtype).removeprefix("torch.")
             assert got[name]["shape"] == list(t.shape)
@@ -62,6 +66,6 @@ async def test_weights_arrive_by_broadcast_with_the_version(receiver: str) -> No
         # the group is formed once; later publishes reuse it
         weights["b.bias"] = weights["b.bias"] + 1
         assert not (await pub.publish(lambda: weights.items(), 2)).failed
-        got = await get(receiver, "/received")
+        got = (await get(receiver, "/received"))["tensors"]
         assert got["b.bias"]["values"] == weights["b.bias"].tolist()
         assert (await pub.engine_versions()) == {receiver: 2}

@@ -111,7 +111,7 @@ async def post(
     if payload.get("input_ids") is not None:
         input_ids = [int(t) for t in payload["input_ids"]]
     elif isinstance(payload.get("text"), str):
-        input_ids = record.tokenizer.encode(payload["text"], add_special_tokens=False)
+        input_ids = record.tokenizer.encode(payload["text"])  # with special tokens, as SGLang tokenizes text
     else:
         raise ValueError("slime_compat.post: the payload needs input_ids or text")
     ids, lps, versions, finish = await _generate(record.policy, input_ids, params)
