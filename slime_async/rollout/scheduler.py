@@ -25,6 +25,7 @@ from slime_async.env import EnvFactory, Generation, Limits, Sampling, VerifierPo
 from slime_async.rollout.admission import StalenessBudget
 from slime_async.rollout.client import SGLangClient
 from slime_async.rollout.errors import ErrorBook
+from slime_async.rollout.filters import equal_rewards
 from slime_async.rollout.guard import Guard, Verdict
 from slime_async.rollout.sinks import Sink
 from slime_async.types import StopReason, Task, Trajectory, new_id
@@ -257,7 +258,7 @@ class Scheduler:
         reason = self._drop_reason(group)
         if reason is None:
             await apply_group_rewards(factory.cls, group, args=factory.args)
-            if self.filter_equal_rewards and len(group) > 1 and len({t.reward for t in group}) == 1:
+            if self.filter_equal_rewards and equal_rewards([t.reward for t in group]):
                 reason = "equal_rewards"
         kept = reason is None
         for t in group:

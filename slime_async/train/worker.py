@@ -7,8 +7,10 @@ if there is one, tells the buffer its version (handing back batches that a previ
 but did not train by that checkpoint), prints `READY`, and trains until `train.steps`; each step
 appends one JSON line to `<run dir>/metrics.jsonl` (mirrored to TensorBoard and wandb per `log:`) and
 the ids it trained to `<run dir>/trained_ids.jsonl`, and every `log.sample_every` steps a few of the
-batch's trajectories, decoded, to `<run dir>/samples.md`. Coming back from a checkpoint, it drops the
-lines of the steps it undid from both files and says so in `<run dir>/events.jsonl`.
+batch's trajectories, decoded, to `<run dir>/samples.md`; with `log.trajectories` every trained
+trajectory (with its advantage) to `<run dir>/trajectories.sqlite` and the buffer's books to
+`<run dir>/buffer.jsonl`, for the dashboard (`slime_async.dashboard.recorder`). Coming back from a
+checkpoint, it drops the lines (and rows) of the steps it undid and says so in `<run dir>/events.jsonl`.
 SIGTERM/SIGINT end it after the batch in progress (a checkpoint is
 written at the end of a complete run).
 
@@ -144,6 +146,17 @@ async def lead(cfg: Config, buffer: str, engines: list[str], ranks: ControlGroup
     out_dir = run_dir(cfg)
     undone = roll_back_metrics(out_dir / "metrics.jsonl", trainer.version)
     roll_back_metrics(out_dir / TRAINED_IDS, trainer.version)
+    recorder = None
+    if cfg.log.trajectories:  # the dashboard's record: trajectories with advantages, the buffer's books
+        from slime_async.dashboard.recorder import RunRecorder
+        from slime_async.train.objective import Objective
+
+        try:
+            recorder = RunRecorder(out_dir, tokenizer, Objective(cfg.train).advantage, client)
+            recorder.roll_back(trainer.version)
+        except Exception as exc:  # a view of the run: training goes on without it
+            log.warning("trajectory store off: %s: %s", type(exc).__name__, exc)
+            recorder = None
     if undone is not None:
         append_event(out_dir, f"trainer went back from version {undone} to its checkpoint at {trainer.version} "
                      f"({undone - trainer.version} steps to train again)", rolled_back_from=undone,
@@ -159,6 +172,8 @@ async def lead(cfg: Config, buffer: str, engines: list[str], ranks: ControlGroup
         every = cfg.log.sample_every
         if every and record.version % every == 0 and source.last:
             append_samples(out_dir / "samples.md", source.last, tokenizer, record.version)
+        if recorder is not None:
+            recorder.on_step(record.version, record.applied, source.last)
 
     trainer.on_step = on_step
     loop = asyncio.get_running_loop()
@@ -169,6 +184,8 @@ async def lead(cfg: Config, buffer: str, engines: list[str], ranks: ControlGroup
     print(f"DONE version={trainer.version} counters={dict(trainer.counters)}", flush=True)
     client.close()
     metrics.close()
+    if recorder is not None:
+        recorder.close()
     if trainer.publisher is not None:
         await trainer.publisher.close()
     return 0

@@ -1,0 +1,3 @@
+from slime_async.dashboard.serve import main
+
+main()
