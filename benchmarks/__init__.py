@@ -83,8 +83,10 @@ def _fmt(value: Any) -> str:
 
 
 def _machine() -> dict[str, Any]:
+    # $SLIME_ASYNC_BENCH_COMMIT: a copy of the tree elsewhere (the GPU machine's) may carry a stale .git
+    commit = os.environ.get("SLIME_ASYNC_BENCH_COMMIT", "")
     try:
-        commit = subprocess.run(
+        commit = commit or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
         ).stdout.strip()
     except OSError:

@@ -176,22 +176,22 @@ def _attention_kernels(rows: list, details: dict) -> None:
             rows.append(["attention fwd+bwd", f"SDPA {name}", "", "", "", "", "", f"refused: {exc}"[:200]])
 
 
-def _megatron(model_dir: Path, dtype: str, attention: str, micro: int, lr: float = 1e-5) -> Any:
+def _megatron(model_dir: Path, dtype: str, attention: str, micro: int, lr: float = 1e-5, fused: bool = True) -> Any:
     from slime_async.config.schema import MegatronConfig
     from slime_async.train.megatron.backend import MegatronBackend
 
     return MegatronBackend(model_dir, device=DEVICE, dtype=dtype, micro_batch_size=micro, lr=lr,  # type: ignore[arg-type]
-                           parallel=MegatronConfig(attention=attention))  # type: ignore[arg-type]
+                           parallel=MegatronConfig(attention=attention, fused_logprobs=fused))  # type: ignore[arg-type]
 
 
-def _throughput(model_dir: Path, attention: str, micros: list[int], steps: int, rows: list, details: dict
-                ) -> Any:
+def _throughput(model_dir: Path, attention: str, micros: list[int], steps: int, rows: list, details: dict,
+                fused: bool = True) -> Any:
     """Train-step rows for `attention`; returns the backend (kept for the export phase) or None."""
     batch = _batch(SEQUENCES, SEQ, SHAPE["vocab_size"])
     flops = train_flops(SEQ, SEQUENCES)
-    be = _megatron(model_dir, TRAIN_DTYPE, attention, micros[0])
+    be = _megatron(model_dir, TRAIN_DTYPE, attention, micros[0], fused=fused)
     for micro in micros:
-        key = f"{attention}/mb{micro}"
+        key = f"{attention}/mb{micro}" + ("" if fused else " unfused logprobs")
         be.micro_batch_size = micro
         _free()
         try:
@@ -335,12 +335,23 @@ def run(quick: bool = False) -> Result:
         details["make_model_s"] = time.perf_counter() - began
         details["params"] = sum(int(np.prod(p)) for p in _param_shapes(model_dir))
 
+        kept: dict[str, Any] = {}
+
         def sdpa() -> None:
             be = _throughput(model_dir, "sdpa", [1, 2] if quick else [1, 2, 4], steps, rows, details)
             _export(be, model_dir, rows, details)
+            kept["sdpa"] = be
+
+        def profile() -> None:
+            _profile(kept.pop("sdpa"), model_dir, rows, details)
 
         phases = [("attention kernels", lambda: _attention_kernels(rows, details)),
                   ("sdpa train steps, export", sdpa),
+                  ("plain HF anchor", lambda: _anchor(model_dir, [1, 2] if quick else [1, 2, 4], steps, rows,
+                                                       details)),
+                  ("profile: where a step's time goes", profile),
+                  ("unfused logprobs (before issue 30)",
+                   lambda: _throughput(model_dir, "sdpa", [2], steps, rows, details, fused=False)),
                   ("parity with the torch backend", lambda: _parity(model_dir, rows, details)),
                   ("checkpoint resume", lambda: _checkpoint(Path(tmp), rows, details))]
         if not quick:  # last: a comparison, the first to go when time runs short
@@ -360,14 +371,60 @@ def run(quick: bool = False) -> Result:
                 rows.append([name, "failed", "", "", "", "", "", traceback.format_exc(limit=1).strip()[-200:]])
             _free()
     details["seconds"] = time.perf_counter() - began
-    sdpa = [v["mfu"] for k, v in details["train"].items() if k.startswith("sdpa") and isinstance(v, dict)]
-    best = 100 * max(sdpa) if sdpa else 0.0
     return Result(
         columns=["what", "config", "tok/s or value", "TFLOP/s", "MFU %", "ms", "peak GB", "note"],
         rows=rows,
-        headline=f"MFU: {best:.1f}% (goal 40%)",
+        headline=_headline(details),
         details=details,
     )
+
+
+def _headline(details: dict[str, Any]) -> str:
+    """Megatron against the plain HF step at micro-batch 2 (the issue's goal: 1.15x), and the export."""
+    mine, anchor = details["train"].get("sdpa/mb2"), details.get("anchor", {}).get("2")
+    ratio = (anchor["step_s"] / mine["step_s"]) if isinstance(mine, dict) and anchor and "step_s" in anchor \
+        else float("nan")
+    x_bound = details.get("export", {}).get("x_bound", float("nan"))
+    return (f"Megatron / plain HF train step at micro-batch 2: {ratio:.2f}x (goal 1.15x); weight export "
+            f"{x_bound:.1f}x the copy bound (goal 2x)")
+
+
+def _anchor(model_dir: Path, micros: list[int], steps: int, rows: list, details: dict) -> None:
+    """The plain HF step (`gpu_anchor.hf_step_times`) on the same batch, and its ratio to Megatron's."""
+    from benchmarks.gpu_anchor import hf_step_times
+
+    flops = train_flops(SEQ, SEQUENCES)
+    tokens = SEQUENCES * SEQ
+    details["anchor"] = {}
+    for micro, result in hf_step_times(model_dir, _batch(SEQUENCES, SEQ, SHAPE["vocab_size"]), micros, steps,
+                                       DEVICE).items():
+        details["anchor"][str(micro)] = result
+        if "step_s" not in result:
+            rows.append(["plain HF train step", f"mb{micro}", "OOM", "", "", "", "", ""])
+            continue
+        step_s = result["step_s"]
+        tflops = flops / step_s / 1e12
+        mine = details["train"].get(f"sdpa/mb{micro}")
+        ratio = f"Megatron {step_s / mine['step_s']:.2f}x this" if isinstance(mine, dict) else ""
+        rows.append(["plain HF train step", f"sdpa/mb{micro}", tokens / step_s, tflops,
+                     100 * tflops / CEILING_TFLOPS, step_s * 1e3, result["peak_gb"], ratio])
+
+
+def _profile(be: Any, model_dir: Path, rows: list, details: dict) -> None:
+    """GPU time of one step by kernel category: the Megatron backend at micro-batch 2, then plain HF."""
+    from benchmarks.gpu_anchor import hf_step, kernel_breakdown
+
+    batch = _batch(SEQUENCES, SEQ, SHAPE["vocab_size"])
+    obj = _objective()
+    be.micro_batch_size = 2
+    prox = be.logprobs(batch, 1.0).logprobs
+    details["profile"] = {"megatron/mb2": kernel_breakdown(
+        lambda: be.train_step(batch, obj.loss_fn(obj.prepare(batch, prox)), 1.0), DEVICE)}
+    details["profile"]["hf/mb2"] = kernel_breakdown(hf_step(model_dir, batch, 2, DEVICE), DEVICE)
+    for key, prof in details["profile"].items():
+        parts = ", ".join(f"{k} {1e3 * v:.0f}" for k, v in prof["by_category_s"].items())
+        rows.append(["step profile (GPU ms)", key, prof["wall_s"] * 1e3, "", "", prof["kernel_s"] * 1e3, "",
+                     f"idle {1e3 * prof['idle_s']:.0f}; {parts}"])
 
 
 def _param_shapes(model_dir: Path) -> list[tuple[int, ...]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -27,7 +27,14 @@ class Logprobs:
     """Entropy of the distribution that predicted token t (when asked for)."""
 
 
-LossFn = Callable[[Batch, slice, Logprobs], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[Batch, slice, Logprobs], tuple[torch.Tensor, dict[str, float | torch.Tensor]]]
+"""(loss, metrics) of one micro-batch; a metric may be a 0-d tensor on the device (summed over the
+micro-batches there, and read once at the step's end: `metric_floats`)."""
+
+
+def metric_floats(metrics: dict[str, Any]) -> dict[str, float]:
+    """A step's summed metrics as floats (one read of the device for the lot)."""
+    return {k: float(v) for k, v in metrics.items()}
 """Called once per micro-batch with its rows (a `Batch`), their place in the whole batch and the
 current policy's outputs (with gradient, on the backend's device). Returns the micro-batch's share
 of the batch loss (already weighted over the whole batch: shares add up) and metrics to sum."""

@@ -14,7 +14,7 @@ an approximation; `can_fuse_proximal` says when nothing else needs the proximal 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,6 +67,15 @@ class Prepared:
     positive_weights: torch.Tensor | None = None
     """Token-mean weights over the tokens of sequences better than their group's mean (the
     positive-example NLL term); None when `train.positive_nll_coef` is 0."""
+    pending: list[tuple[torch.Tensor, slice, int, torch.Tensor]] = field(default_factory=list)
+    """Device results of the loss waiting to be copied into the CPU tensors above (`settle`): a copy
+    per micro-batch would make the host wait for the GPU before it can queue the backward pass."""
+
+    def settle(self) -> None:
+        """Copy what the loss left on the device into `prox`, `behaviour_weights`, `current` and `clipped`."""
+        for target, rows, k, value in self.pending:
+            target[rows, :k] = value.cpu()
+        self.pending.clear()
 
 
 class Objective:
@@ -148,7 +157,7 @@ class Objective:
         """The per-micro-batch loss over `prep`, for `TrainerBackend.train_step`."""
         cfg = self.cfg
 
-        def fn(mb: Batch, rows: slice, out: Logprobs) -> tuple[torch.Tensor, dict[str, float]]:
+        def fn(mb: Batch, rows: slice, out: Logprobs) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
             logp = out.logprobs
             dev = logp.device
             k = logp.shape[1]
@@ -161,8 +170,7 @@ class Objective:
                 prox = logp.detach()
                 behaviour_weights = L.behaviour_weights(prox, part(prep.behav), mask, self.correction,
                                                         cfg.behaviour_cap)
-                prep.prox[rows, :k] = prox.cpu()
-                prep.behaviour_weights[rows, :k] = behaviour_weights.cpu()
+                prep.pending += [(prep.prox, rows, k, prox), (prep.behaviour_weights, rows, k, behaviour_weights)]
             else:
                 prox, behaviour_weights = part(prep.prox), part(prep.behaviour_weights)
             if self.policy == "gspo":
@@ -174,30 +182,31 @@ class Objective:
             values = pl.loss * behaviour_weights
             pg = L.aggregate(values, weights)
             loss = pg
-            metrics = {"pg_loss": float(pg.detach())}
+            # metrics stay on the device until the step's end (`metric_floats`): no host sync per micro-batch
+            metrics = {"pg_loss": pg.detach()}
             if cfg.kl_coef > 0 and cfg.kl_in == "loss":
                 assert prep.ref_logp is not None
                 kl = L.aggregate(L.kl_penalty(logp, part(prep.ref_logp), mask, cfg.kl_estimator), weights)
                 loss = loss + cfg.kl_coef * kl
-                metrics["kl_ref"] = float(kl.detach())
+                metrics["kl_ref"] = kl.detach()
             if prep.positive_weights is not None:
                 # VAPO's positive-example LM loss: GRPO's advantages sum to zero in a group, so the
                 # rare tokens no sample chose get no steady push; the NLL of the better samples
                 # keeps lowering them, as the supervised warm-start did
                 nll = -L.aggregate(logp, part(prep.positive_weights))
                 loss = loss + cfg.positive_nll_coef * nll
-                metrics["positive_nll"] = float(nll.detach())
+                metrics["positive_nll"] = nll.detach()
             if cfg.entropy_coef > 0:
                 assert out.entropy is not None
                 ent = L.aggregate(out.entropy, weights)
                 loss = loss - cfg.entropy_coef * ent
-                metrics["entropy"] = float(ent.detach())
-            prep.current[rows, :k] = logp.detach().cpu()
-            prep.clipped[rows, :k] = pl.clipped.cpu()
+                metrics["entropy"] = ent.detach()
+            prep.pending += [(prep.current, rows, k, logp.detach()), (prep.clipped, rows, k, pl.clipped)]
             return loss, metrics
 
         return fn
 
     def metrics(self, prep: Prepared) -> dict[str, float]:
         """Off-policy health over the batch (ratio of current to proximal as it was at the step's start)."""
+        prep.settle()
         return L.off_policy_metrics(prep.current, prep.prox, prep.behav, prep.mask, prep.clipped)

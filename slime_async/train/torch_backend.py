@@ -16,12 +16,12 @@ import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from slime_async.train.backend import Logprobs, LossFn, StepResult
+from slime_async.train.backend import Logprobs, LossFn, StepResult, metric_floats
 from slime_async.train.batch import Batch
 from slime_async.train.losses import entropy_from_logits
 
@@ -131,15 +131,16 @@ class TorchBackend:
 
     def train_step(self, batch: Batch, loss_fn: LossFn, temperature: float, entropy: bool = False) -> StepResult:
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        metrics: dict[str, float] = {}
+        summed = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums: dict[str, Any] = {}
         for rows, mb in self._micro_batches(batch):
             out = self._forward(self.model, mb, temperature, entropy)
             loss, mb_metrics = loss_fn(mb, rows, out)
             loss.backward()
-            total += float(loss.detach())
+            summed += loss.detach()  # on the device: no host sync per micro-batch
             for k, v in mb_metrics.items():
-                metrics[k] = metrics.get(k, 0.0) + v
+                sums[k] = sums.get(k, 0.0) + v
+        total, metrics = float(summed), metric_floats(sums)
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0

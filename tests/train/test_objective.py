@@ -78,6 +78,7 @@ def test_prepare_without_proximal_leaves_it_to_the_loss() -> None:
     # the loss fills proximal logprobs and behaviour weights from the forward it is given
     logp = b.behaviour_logprobs + T([[0.0, math.log(3.0), 0.0, math.log(0.5)], [0.0] * 4, [0.0] * 4])
     o.loss_fn(p)(b, slice(0, 3), Logprobs(logp.clone().requires_grad_(), None))
+    p.settle()  # the loss leaves its results on the device until then (no host sync per micro-batch)
     torch.testing.assert_close(p.prox, logp)
     torch.testing.assert_close(p.behaviour_weights, T([[0.0, 2.0, 1.0, 0.5], [0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0, 0]]))
     for cfg in (TrainConfig(outlier_mask="token"), TrainConfig(kl_coef=0.1, kl_in="reward")):

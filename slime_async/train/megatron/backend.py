@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from slime_async.config.schema import MegatronConfig
 from slime_async.sync.megatron_names import Geometry
-from slime_async.train.backend import Logprobs, LossFn, StepResult
+from slime_async.train.backend import Logprobs, LossFn, StepResult, metric_floats
 from slime_async.train.batch import Batch
 from slime_async.train.megatron.cpu_compat import cpu_megatron
 from slime_async.train.megatron.logprobs import vocab_parallel_logprobs
@@ -87,6 +87,7 @@ class MegatronBackend:
         self.params_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         self.export_dtype = self.params_dtype
         self.attention = self._attention(cfg.attention)
+        self.fused_logprobs = cfg.fused_logprobs and self.on_gpu  # Inductor's CPU path would need a compiler
         with self._compat():
             self.layout = init_parallel(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.data_parallel, self.device)
             self.geometry = Geometry(
@@ -159,7 +160,8 @@ class MegatronBackend:
         ids = mb.input_ids.to(self.device)
         attn = mb.attention_mask.to(self.device)
         logp, ent = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], temperature=temperature,
-                                            vocab_size=self.vocab_size, entropy=entropy)
+                                            vocab_size=self.vocab_size, entropy=entropy,
+                                            fused=self.fused_logprobs)
         zero = torch.zeros_like(logp[:, :1])
         return Logprobs(torch.cat([zero, logp], dim=1) * attn,
                         torch.cat([zero, ent], dim=1) * attn if ent is not None else None)
@@ -208,7 +210,7 @@ class MegatronBackend:
         with self._compat():
             self.optimizer.zero_grad()
             total = torch.zeros((), dtype=torch.float64, device=self.device)
-            metrics: dict[str, float] = {}
+            metrics: dict[str, Any] = {}
             if self.layout.pp == 1:
                 for rows, mb in self._my_micro_batches(batch):
                     out = self._logprobs_of(self._run_model(self.model, mb), mb, temperature, entropy)
@@ -221,7 +223,7 @@ class MegatronBackend:
                 from slime_async.train.megatron.pipeline import pipeline_train
 
                 total = pipeline_train(self, batch, loss_fn, temperature, entropy, metrics)
-            loss_value, metrics = self._sum_over_ranks(total, metrics)
+            loss_value, metrics = self._sum_over_ranks(total, metric_floats(metrics))
             applied, grad_norm = self.optimizer.step(math.isfinite(loss_value))
         if not applied:
             reason = "non-finite loss" if not math.isfinite(loss_value) else "non-finite grad norm"

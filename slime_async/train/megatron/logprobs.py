@@ -25,13 +25,17 @@ def vocab_parallel_logprobs(
     temperature: float,
     vocab_size: int,
     entropy: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) [b, s] (and the entropy [b, s]) from this rank's logits [b, s, V / tp] of
     log_softmax(logits / temperature) over the first `vocab_size` entries of the whole vocabulary.
-    Every rank's slice must hold at least one real entry (`ModelShape` checks the padding)."""
+    Every rank's slice must hold at least one real entry (`ModelShape` checks the padding).
+    `fused`: without tensor parallelism or entropy, the compiled kernels of `fused_logprobs`."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
+    if fused and tp == 1 and not entropy:
+        return fused_logprobs(logits, targets, temperature, vocab_size), None
     part = logits.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * part
     x = logits.float()
@@ -74,3 +78,25 @@ def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     return reduce_from_tensor_model_parallel_region(t.clone())
+
+
+def _logprobs_one_rank(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int
+                       ) -> torch.Tensor:
+    x = logits[..., :vocab_size].float()  # padded entries dropped: the same softmax as masking them
+    if temperature != 1.0:
+        x = x / temperature
+    return x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+
+
+_compiled: dict[str, object] = {}
+
+
+def fused_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int
+                   ) -> torch.Tensor:
+    """`_logprobs_one_rank` through `torch.compile` (Inductor fuses the cast, the scaling, the
+    log-sum-exp and the gather into kernels that read the bf16 logits, forward and backward, and keeps
+    no float32 copy for the backward pass). Compiled once per process, for any shape."""
+    fn = _compiled.get("fn")
+    if fn is None:
+        fn = _compiled["fn"] = torch.compile(_logprobs_one_rank, dynamic=True)
+    return fn(logits, targets, temperature, vocab_size)  # type: ignore[operator]
