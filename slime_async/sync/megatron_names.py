@@ -121,6 +121,8 @@ def to_hf(s: Slot, full: torch.Tensor, geo: Geometry) -> list[torch.Tensor]:
         return [t.reshape(-1, *tail) for t in (q, k, v)]
     if s.kind == "fc1":
         halves = [c.chunk(2) for c in full.chunk(geo.tensor_parallel)]
+        if len(halves) == 1:  # no tensor parallelism: gate and up are views (no copy of the largest weights)
+            return list(halves[0])
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
     raise ValueError(s.kind)
 

@@ -71,6 +71,22 @@ class Prepared:
     """Device results of the loss waiting to be copied into the CPU tensors above (`settle`): a copy
     per micro-batch would make the host wait for the GPU before it can queue the backward pass."""
 
+    _on: dict[torch.device, dict[str, torch.Tensor | None]] = field(default_factory=dict)
+
+    def on(self, device: torch.device) -> dict[str, torch.Tensor | None]:
+        """The loss's inputs on `device`, copied once per batch from pinned memory without waiting (a
+        copy from ordinary memory per micro-batch made the host wait for the GPU each time)."""
+        if device not in self._on:
+            def move(t: torch.Tensor | None) -> torch.Tensor | None:
+                if t is None or device.type != "cuda":
+                    return t
+                return t.contiguous().pin_memory().to(device, non_blocking=True)
+
+            self._on[device] = {name: move(getattr(self, name)) for name in (
+                "mask", "prox", "behav", "advantages", "behaviour_weights", "weights", "ref_logp",
+                "positive_weights")}
+        return self._on[device]
+
     def settle(self) -> None:
         """Copy what the loss left on the device into `prox`, `behaviour_weights`, `current` and `clipped`."""
         for target, rows, k, value in self.pending:
@@ -161,18 +177,21 @@ class Objective:
             logp = out.logprobs
             dev = logp.device
             k = logp.shape[1]
+            inputs = prep.on(dev)
 
-            def part(t: torch.Tensor) -> torch.Tensor:
+            def part(name: str) -> torch.Tensor:
+                t = inputs[name]
+                assert t is not None
                 return t[rows, :k].to(dev)
 
-            mask, adv, weights = part(prep.mask), part(prep.advantages), part(prep.weights)
+            mask, adv, weights = part("mask"), part("advantages"), part("weights")
             if prep.fused:  # these weights are the proximal policy: see the module's docstring
                 prox = logp.detach()
-                behaviour_weights = L.behaviour_weights(prox, part(prep.behav), mask, self.correction,
+                behaviour_weights = L.behaviour_weights(prox, part("behav"), mask, self.correction,
                                                         cfg.behaviour_cap)
                 prep.pending += [(prep.prox, rows, k, prox), (prep.behaviour_weights, rows, k, behaviour_weights)]
             else:
-                prox, behaviour_weights = part(prep.prox), part(prep.behaviour_weights)
+                prox, behaviour_weights = part("prox"), part("behaviour_weights")
             if self.policy == "gspo":
                 pl = L.gspo_loss(logp, prox, adv, mask, self.clip_low, self.clip_high)
             elif self.policy == "cispo":
@@ -186,14 +205,14 @@ class Objective:
             metrics = {"pg_loss": pg.detach()}
             if cfg.kl_coef > 0 and cfg.kl_in == "loss":
                 assert prep.ref_logp is not None
-                kl = L.aggregate(L.kl_penalty(logp, part(prep.ref_logp), mask, cfg.kl_estimator), weights)
+                kl = L.aggregate(L.kl_penalty(logp, part("ref_logp"), mask, cfg.kl_estimator), weights)
                 loss = loss + cfg.kl_coef * kl
                 metrics["kl_ref"] = kl.detach()
             if prep.positive_weights is not None:
                 # VAPO's positive-example LM loss: GRPO's advantages sum to zero in a group, so the
                 # rare tokens no sample chose get no steady push; the NLL of the better samples
                 # keeps lowering them, as the supervised warm-start did
-                nll = -L.aggregate(logp, part(prep.positive_weights))
+                nll = -L.aggregate(logp, part("positive_weights"))
                 loss = loss + cfg.positive_nll_coef * nll
                 metrics["positive_nll"] = nll.detach()
             if cfg.entropy_coef > 0:

@@ -14,6 +14,7 @@ weights are exported in bf16. Logprobs are float32 from the logits either way.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from slime_async.sync.megatron_names import Geometry
 from slime_async.train.backend import Logprobs, LossFn, StepResult, metric_floats
 from slime_async.train.batch import Batch
 from slime_async.train.megatron.cpu_compat import cpu_megatron
-from slime_async.train.megatron.logprobs import vocab_parallel_logprobs
+from slime_async.train.megatron.logprobs import fused_logprobs, vocab_parallel_logprobs
 from slime_async.train.megatron.model import (
     AttentionKind,
     ModelShape,
@@ -141,13 +142,27 @@ class MegatronBackend:
     # --- forward --------------------------------------------------------------------------
 
     def _my_micro_batches(self, batch: Batch) -> list[tuple[slice, Batch]]:
-        """This data-parallel rank's micro-batches (every dp-th, round-robin)."""
+        """This data-parallel rank's micro-batches (every dp-th, round-robin), their per-token tensors
+        already on their way to the device."""
         out = []
         for i, start in enumerate(range(0, len(batch), self.micro_batch_size)):
             if i % self.layout.dp == self.layout.dp_rank:
                 stop = min(start + self.micro_batch_size, len(batch))
-                out.append((slice(start, stop), batch.rows(start, stop)))
+                out.append((slice(start, stop), self._on_device(batch.rows(start, stop))))
         return out
+
+    def _on_device(self, mb: Batch) -> Batch:
+        """On a GPU: the micro-batch's per-token tensors copied from pinned memory without waiting. A
+        copy from ordinary memory makes the host wait until the GPU has done everything queued before
+        it, and then the GPU waits for the host's Python between kernels: 128 of a 711 ms step, measured."""
+        if not self.on_gpu:
+            return mb
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.contiguous().pin_memory().to(self.device, non_blocking=True)
+
+        return dataclasses.replace(mb, input_ids=move(mb.input_ids), attention_mask=move(mb.attention_mask),
+                                   loss_mask=move(mb.loss_mask), behaviour_logprobs=move(mb.behaviour_logprobs))
 
     def _run_model(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
         ids = mb.input_ids.to(self.device)
@@ -159,9 +174,13 @@ class MegatronBackend:
         """Logits [b, t, V / tp] -> Logprobs aligned with tokens (0 at t = 0 and on padding)."""
         ids = mb.input_ids.to(self.device)
         attn = mb.attention_mask.to(self.device)
-        logp, ent = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], temperature=temperature,
-                                            vocab_size=self.vocab_size, entropy=entropy,
-                                            fused=self.fused_logprobs)
+        if self.fused_logprobs and self.layout.tp == 1 and not entropy and logits.is_contiguous():
+            # the whole logits tensor (a view of it, not a copy): the last position predicts nothing
+            targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+            logp, ent = fused_logprobs(logits, targets, temperature, self.vocab_size)[:, :-1], None
+        else:
+            logp, ent = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], temperature=temperature,
+                                                vocab_size=self.vocab_size, entropy=entropy)
         zero = torch.zeros_like(logp[:, :1])
         return Logprobs(torch.cat([zero, logp], dim=1) * attn,
                         torch.cat([zero, ent], dim=1) * attn if ent is not None else None)

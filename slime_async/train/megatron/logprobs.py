@@ -25,17 +25,13 @@ def vocab_parallel_logprobs(
     temperature: float,
     vocab_size: int,
     entropy: bool = False,
-    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) [b, s] (and the entropy [b, s]) from this rank's logits [b, s, V / tp] of
     log_softmax(logits / temperature) over the first `vocab_size` entries of the whole vocabulary.
-    Every rank's slice must hold at least one real entry (`ModelShape` checks the padding).
-    `fused`: without tensor parallelism or entropy, the compiled kernels of `fused_logprobs`."""
+    Every rank's slice must hold at least one real entry (`ModelShape` checks the padding)."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
-    if fused and tp == 1 and not entropy:
-        return fused_logprobs(logits, targets, temperature, vocab_size), None
     part = logits.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * part
     x = logits.float()
@@ -93,10 +89,14 @@ _compiled: dict[str, object] = {}
 
 def fused_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int
                    ) -> torch.Tensor:
-    """`_logprobs_one_rank` through `torch.compile` (Inductor fuses the cast, the scaling, the
-    log-sum-exp and the gather into kernels that read the bf16 logits, forward and backward, and keeps
-    no float32 copy for the backward pass). Compiled once per process, for any shape."""
+    """`_logprobs_one_rank` through `torch.compile` for one rank's whole vocabulary (no tensor
+    parallelism): Inductor fuses the cast, the scaling, the log-sum-exp and the gather into kernels
+    that read the bf16 logits, forward and backward, and keeps no float32 copy for the backward pass.
+    logits [b, s, V] (contiguous), targets [b, s] -> [b, s]. Rows are flattened to one dynamic
+    dimension: one compiled graph for every micro-batch shape (a dimension of 1 would be specialised)."""
     fn = _compiled.get("fn")
     if fn is None:
         fn = _compiled["fn"] = torch.compile(_logprobs_one_rank, dynamic=True)
-    return fn(logits, targets, temperature, vocab_size)  # type: ignore[operator]
+    rows = logits.view(-1, logits.shape[-1])
+    torch._dynamo.mark_dynamic(rows, 0)
+    return fn(rows, targets.reshape(-1), temperature, vocab_size).view(targets.shape)  # type: ignore[operator]

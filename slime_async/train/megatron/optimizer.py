@@ -113,6 +113,12 @@ class MegatronOptimizer:
             use_distributed_optimizer=distributed,
         )
         self.optimizer = get_megatron_optimizer(config, [ddp_model])
+        # without Apex or Transformer Engine, Megatron steps torch's Adam over the fp32 master weights
+        # in its default (foreach) form: its fused CUDA kernel is one launch per group instead of many
+        # (48 of a 711 ms step went to the optimizer, measured; torch's fused AdamW in the plain HF step: 13)
+        for inner in self._inner_optimizers():
+            for group in inner.param_groups:
+                group["foreach"], group["fused"] = False, True
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -160,14 +166,15 @@ class MegatronOptimizer:
                     if "exp_avg" in st:
                         st["step"] = torch.tensor(float(state["adam_step"]))
 
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers inside Megatron's (chained) optimizer."""
+        inner = [getattr(sub, "optimizer", None) for sub in getattr(self.optimizer, "chained_optimizers",
+                                                                     [self.optimizer])]
+        return [o for o in inner if isinstance(o, torch.optim.Optimizer)]
+
     def _inner_states(self) -> list[dict[str, Any]]:
         """The per-parameter states of the torch optimizers inside Megatron's (chained) optimizer."""
-        out = []
-        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = getattr(sub, "optimizer", None)
-            if isinstance(inner, torch.optim.Optimizer):
-                out.extend(inner.state.values())
-        return out
+        return [st for inner in self._inner_optimizers() for st in inner.state.values()]
 
     def _adam_step(self) -> float | None:
         """Adam's step count (every parameter's is the same), when the inner optimizer keeps it per parameter."""
