@@ -106,6 +106,8 @@ class WeightPublisher:
         self._session: aiohttp.ClientSession | None = None
         self._nccl: Any = None
         self._paused: set[str] = set()
+        self._started = False
+        """Whether `reconcile` has run once (see there)."""
         self._no_shared: set[str] = set()
         """Engines that could not open shared tensors (another host or GPU): they get safetensors."""
         """Engines this publisher paused and has not resumed yet (a push failed half-way)."""
@@ -242,14 +244,30 @@ class WeightPublisher:
         return report
 
     async def reconcile(self, weights: NamedWeights, version: int) -> list[str]:
-        """Find engines not on `version` and push to them; returns the URLs that were behind."""
+        """Find engines not on `version` and push to them; returns the URLs that were behind.
+
+        The first reconcile of a publisher (a trainer starting) then lets every engine that was not
+        behind generate again: a trainer killed between a push's last update and its
+        `/continue_generation` left an engine paused on the current version (one a push failed half
+        way is behind, and the push above completes it)."""
         versions = await self.engine_versions()
         behind = [u for u, v in versions.items() if v != version]
         if behind:
             report = await self.publish(weights, version, urls=behind)
             if report.failed:
                 log.warning("reconcile: engines still behind version %s: %s", version, report.failed)
+        if not self._started:
+            self._started = True
+            path = "/resume" if self.vllm else "/continue_generation"
+            others = [u for u in versions if u not in behind]
+            await asyncio.gather(*(self._resume(u, path) for u in others))
         return behind
+
+    async def _resume(self, url: str, path: str) -> None:
+        try:
+            await self._post(url, path, {})
+        except PushError as exc:  # down or restarting: it starts unpaused, or the next reconcile finds it
+            log.warning("resume generation on %s failed: %s", url, exc)
 
     async def _prepare(self, weights: NamedWeights, version: int) -> tuple[Callable[[str], Any], int, int]:
         """Serialise once for all engines; returns the per-engine push coroutine factory."""

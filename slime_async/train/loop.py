@@ -234,6 +234,7 @@ class Trainer:
             await self.publisher.restore_memory(self.backend.named_weights, self.version)
         elif self.publisher is not None:
             # engines that restarted or missed the last publish get this version before training goes on
+            # (and every engine generates again: `WeightPublisher.reconcile`)
             behind = await self.publisher.reconcile(self.backend.named_weights, self.version)
             self.counters["engines_reconciled"] += len(behind)
         self.source.set_version(self.version)

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+import aiohttp
 import pytest
 import torch
 from engine_helpers import PROMPT, engine_greedy, get, hf_greedy, perturbed
@@ -99,6 +100,21 @@ async def test_engine_that_missed_an_update_is_detected_and_brought_up_to_date(e
             await restart.publish(weights_of(base), 0)
         report = await pub.publish(weights_of(other), 6)
         assert report.missed == [engine.url] and report.updated == [engine.url]
+
+
+async def test_a_starting_trainer_resumes_an_engine_left_paused_on_the_current_version(engine, base) -> None:
+    """A trainer killed between a push's last update and its /continue_generation leaves the engine
+    paused on the current version (not behind): the next trainer's first reconcile resumes it."""
+    async with WeightPublisher([engine.url], fast()) as pub:
+        await pub.publish(weights_of(base), 3)
+        async with aiohttp.ClientSession() as s, s.post(engine.url + "/pause_generation",
+                                                        json={"mode": "in_place"}) as r:
+            assert r.status == 200  # the dead trainer's pause
+        assert (await get(engine.url, "/get_server_info"))["internal_states"][0]["paused"]
+    async with WeightPublisher([engine.url], fast()) as restarted:
+        assert await restarted.reconcile(weights_of(base), 3) == []  # not behind
+        assert not (await get(engine.url, "/get_server_info"))["internal_states"][0]["paused"]
+        assert await engine_greedy(engine.url, PROMPT) == (hf_greedy(base, PROMPT), "3")
 
 
 async def test_failed_push_is_retried_and_never_half_applied(engine, base, other) -> None:
