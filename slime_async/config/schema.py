@@ -259,6 +259,11 @@ class RolloutConfig(_Section):
     aborted and resumed with their partial output (`abort`)."""
     filter_equal_rewards: bool = True
     """Drop groups whose rewards are all equal (no learning signal), counted (DAPO-style)."""
+    group_filter: str | None = None
+    """Your own group filter, `module:function` (slime's `--dynamic-sampling-filter-path`): called
+    with each finished group's trajectories (rewards and group rewards set) before it is sent; True
+    keeps the group, False or a reason (a string) drops it, counted as `filtered` (the first reason is
+    logged). One that raises drops the group as `filter_error`, counted with its first message."""
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     guard: GuardConfig = msgspec.field(default_factory=GuardConfig)
     """Stop (or warn about) a run whose episodes mostly fail or whose groups carry no learning signal."""
@@ -350,6 +355,15 @@ class TrainConfig(_Section):
     advantage: Literal["grpo", "grpo_no_std", "dr_grpo", "reinforce_pp"] | None = None
     """Override the recipe's advantage estimator: group-normalised with std (`grpo`), without std
     (`grpo_no_std`, same as `dr_grpo`), or REINFORCE++ with a group-mean baseline and batch whitening."""
+    advantage_fn: str | None = None
+    """Your own advantage estimator, `module:function` (slime's `--custom-advantage-function-path`),
+    replacing `advantage`: `fn(rewards [N], group_index [N], mask [N, T]) -> [N] or [N, T]` (float
+    tensors; a value per sequence is spread over its trained tokens). Once per batch, on the CPU."""
+    policy_loss_fn: str | None = None
+    """Your own policy loss, `module:function` (slime's `--custom-loss-function-path`), replacing the
+    recipe's PPO/GSPO/CISPO term: `fn(logp, prox, advantages, mask, clip_low, clip_high) -> [N, T]`
+    per-token loss (or an object with `.loss` and `.clipped`), on the trainer's device and differentiable
+    in `logp`; the behaviour correction, aggregation, KL and entropy terms apply to it as to the recipe's."""
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "group_mean"] | None = None
     """Override the recipe's loss aggregation. `seq_mean_token_sum_norm` is Dr.GRPO's length-unbiased
     form (token sums divided by `aggregation_norm`)."""

@@ -43,4 +43,19 @@ def check_envs(cfg: Config) -> list[str]:
             message = " ".join(str(exc).split())  # one line, whatever the env's own message looks like
             raise ConfigError(f"{setting}{message}") from None
         names.append(factory.name)
+    check_functions(cfg)
     return names
+
+
+def check_functions(cfg: Config) -> None:
+    """Import the group filter, advantage and policy-loss functions the config names (one ConfigError
+    line naming the setting when one cannot be)."""
+    from slime_async.env import EnvLoadError
+    from slime_async.rollout.filters import load_group_filter
+    from slime_async.train.objective import Objective
+
+    try:
+        load_group_filter(cfg.rollout)
+        Objective(cfg.train)
+    except (EnvLoadError, ValueError) as exc:
+        raise ConfigError(" ".join(str(exc).split())) from None

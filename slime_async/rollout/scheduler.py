@@ -63,6 +63,8 @@ class RolloutStats:
     staleness: Counter = field(default_factory=Counter)
     """Versions between the oldest token of a trajectory and the version when it was sent."""
     rewards: list[float] = field(default_factory=list)
+    filter_errors: int = 0
+    """Groups `rollout.group_filter` raised on (dropped as `filter_error`)."""
     errors: ErrorBook = field(default_factory=ErrorBook)
     """Rewards, metrics, tools and env hooks that failed, by name, with the first message of each."""
     verdicts: list[Verdict] = field(default_factory=list)
@@ -119,6 +121,7 @@ class Scheduler:
         recount: Callable[[], Awaitable[int]] | None = None,
         guard: Guard | None = None,
         on_verdict: Callable[[Verdict], None] | None = None,
+        group_filter: Callable[[list[Trajectory]], Any] | None = None,
     ) -> None:
         self.factory = factory
         self._tasks: Iterator[Task] = iter(tasks)
@@ -138,6 +141,8 @@ class Scheduler:
         """Watches finished groups for a run that cannot learn; `on_verdict` hears what it finds (the
         caller stops: a rollout worker under the launcher must not exit on its own)."""
         self.on_verdict = on_verdict
+        self.group_filter = group_filter
+        """`rollout.group_filter`: True keeps a finished group, False or a reason drops it (`filtered`)."""
         self._slots = asyncio.Semaphore(max_concurrency)
         self.stats = RolloutStats()
         self._stop = asyncio.Event()
@@ -248,6 +253,25 @@ class Scheduler:
             self._slots.release()
             self.client.release(episode)
 
+    def _filtered(self, group: list[Trajectory]) -> str | None:
+        """The drop reason `rollout.group_filter` gives this group, or None to keep it."""
+        assert self.group_filter is not None
+        try:
+            verdict = self.group_filter(group)
+            if not isinstance(verdict, bool | str):
+                raise TypeError(f"returned {verdict!r}; expected True (keep), False or a reason (drop)")
+        except Exception as exc:  # a failing filter drops the group: never send what it could not judge
+            self.stats.filter_errors += 1
+            if self.stats.filter_errors == 1:
+                log.warning("rollout.group_filter failed (first time in this worker; such groups are dropped): "
+                            "%s: %s", type(exc).__name__, exc)
+            return "filter_error"
+        if verdict is True:
+            return None
+        if isinstance(verdict, str) and self.stats.dropped["filtered"] == 0:
+            log.info("rollout.group_filter dropped a group (first time in this worker): %s", verdict)
+        return "filtered"
+
     async def _finish_group(self, group: list[Trajectory], factory: EnvFactory) -> None:
         s = self.stats
         for t in group:
@@ -260,6 +284,8 @@ class Scheduler:
             await apply_group_rewards(factory.cls, group, args=factory.args)
             if self.filter_equal_rewards and equal_rewards([t.reward for t in group]):
                 reason = "equal_rewards"
+            elif self.group_filter is not None:
+                reason = self._filtered(group)
         kept = reason is None
         for t in group:
             s.rewards.append(t.reward)

@@ -26,6 +26,7 @@ from slime_async.config import load_config
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.data import build_envs, build_tasks, close_shared_remote_rewards, load_state, save_state
 from slime_async.env import Sampling
+from slime_async.rollout.filters import load_group_filter
 from slime_async.rollout.guard import Guard
 from slime_async.rollout.scheduler import Scheduler
 from slime_async.rollout.sinks import BufferSink
@@ -121,7 +122,7 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
             batch_size=batch_share, max_staleness=r.max_staleness,
             max_concurrency=max(1, r.max_concurrency // num_workers),
             filter_equal_rewards=r.filter_equal_rewards, sampling=sampling, accepted=accepted, recount=recount,
-            guard=Guard.for_rollout(r.guard, batch_share, r.group_size),
+            guard=Guard.for_rollout(r.guard, batch_share, r.group_size), group_filter=load_group_filter(r),
             # the launcher reads the verdict from the stats file and ends the run: written at once
             on_verdict=lambda verdict: write_stats(scheduler, stats_path, earlier),
         )

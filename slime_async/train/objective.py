@@ -14,7 +14,9 @@ an approximation; `can_fuse_proximal` says when nothing else needs the proximal 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -105,6 +107,8 @@ class Objective:
         self.clip_high = cfg.clip_high if cfg.clip_high is not None else recipe.clip_high
         self.correction = cfg.behaviour_correction if recipe.behaviour_correction else "none"
         self.norm = float(cfg.aggregation_norm or cfg.max_seq_len)
+        self.advantage_fn = _function(cfg.advantage_fn, "train.advantage_fn", "my_rl:advantages")
+        self.policy_loss_fn = _function(cfg.policy_loss_fn, "train.policy_loss_fn", "my_rl:policy_loss")
 
     @property
     def needs_reference(self) -> bool:
@@ -142,7 +146,11 @@ class Objective:
                 raise ValueError("train.kl_in=reward needs reference logprobs")
             # the penalty of the sampled tokens, under the policy that is about to be updated
             token_rewards = A.reward_to_go(-cfg.kl_coef * L.kl_penalty(prox, ref_logp, mask, cfg.kl_estimator), mask)
-        if self.advantage == "reinforce_pp":
+        if self.advantage_fn is not None:
+            adv = _custom_advantages(self.advantage_fn, batch, mask)
+            if token_rewards is not None:
+                adv = adv + token_rewards
+        elif self.advantage == "reinforce_pp":
             adv = A.reinforce_pp_baseline_advantages(batch.rewards, batch.group_index, mask, token_rewards)
         else:
             seq = A.grpo_advantages(batch.rewards, batch.group_index, normalize_std=self.advantage == "grpo")
@@ -192,7 +200,9 @@ class Objective:
                 prep.pending += [(prep.prox, rows, k, prox), (prep.behaviour_weights, rows, k, behaviour_weights)]
             else:
                 prox, behaviour_weights = part("prox"), part("behaviour_weights")
-            if self.policy == "gspo":
+            if self.policy_loss_fn is not None:
+                pl = _custom_policy_loss(self.policy_loss_fn, logp, prox, adv, mask, self.clip_low, self.clip_high)
+            elif self.policy == "gspo":
                 pl = L.gspo_loss(logp, prox, adv, mask, self.clip_low, self.clip_high)
             elif self.policy == "cispo":
                 pl = L.cispo_loss(logp, prox, adv, mask, self.clip_low, self.clip_high)
@@ -229,3 +239,42 @@ class Objective:
         """Off-policy health over the batch (ratio of current to proximal as it was at the step's start)."""
         prep.settle()
         return L.off_policy_metrics(prep.current, prep.prox, prep.behav, prep.mask, prep.clipped)
+
+
+def _function(name: str | None, setting: str, example: str) -> Callable[..., Any] | None:
+    if name is None:
+        return None
+    from slime_async.env.loading import import_named
+
+    fn = import_named(name, setting, example, kind="function")
+    if not callable(fn):
+        raise ValueError(f"{setting}: {name} is not a function")
+    return fn
+
+
+def _custom_advantages(fn: Callable[..., Any], batch: Batch, mask: torch.Tensor) -> torch.Tensor:
+    """`train.advantage_fn`'s advantages as [N, T] float32 on the trained tokens; a ValueError naming the
+    setting when they are not a tensor of [N] or [N, T], or not finite."""
+    out = fn(batch.rewards.clone(), batch.group_index.clone(), mask.clone())
+    if not isinstance(out, torch.Tensor) or out.shape not in (mask.shape[:1], mask.shape):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"train.advantage_fn returned {shape}; expected a tensor of {tuple(mask.shape[:1])} "
+                         f"(per sequence) or {tuple(mask.shape)} (per token)")
+    out = out.detach().to(torch.float32).cpu()
+    if not torch.isfinite(out).all():
+        raise ValueError("train.advantage_fn returned non-finite advantages")
+    return A.to_tokens(out, mask) if out.dim() == 1 else out * mask.to(torch.float32)
+
+
+def _custom_policy_loss(fn: Callable[..., Any], logp: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor,
+                        mask: torch.Tensor, clip_low: float, clip_high: float) -> L.PolicyLoss:
+    out = fn(logp, prox, adv, mask, clip_low, clip_high)
+    loss, clipped = (out.loss, out.clipped) if hasattr(out, "loss") else (out, None)
+    if not isinstance(loss, torch.Tensor) or loss.shape != logp.shape:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"train.policy_loss_fn returned {shape}; expected a per-token loss of {tuple(logp.shape)}")
+    if clipped is None:
+        clipped = torch.zeros_like(mask, dtype=torch.bool)
+    m = mask.bool()
+    ratio = torch.exp(torch.where(m, logp.detach() - prox, torch.zeros_like(prox)))
+    return L.PolicyLoss(loss=torch.where(m, loss, torch.zeros_like(loss)), clipped=clipped.bool() & m, ratio=ratio)

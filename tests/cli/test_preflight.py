@@ -31,6 +31,14 @@ class UnitEnv(Env):
     @reward
     def correct(self, completion: str) -> float:
         return 1.0
+
+
+def keep_all(group):
+    return True
+
+
+def advantages(rewards, group_index, mask):
+    return rewards
 '''
 
 
@@ -74,6 +82,10 @@ def test_a_module_next_to_its_config_is_found_from_anywhere(tmp_path: Path) -> N
         ("env.args.tolerence=0.1", ["env.args: Object contains unknown field `tolerence`; did you mean 'tolerance'?"]),
         ("env.args.limits.max_turn=2", ["unknown field `max_turn`", "did you mean 'max_turns'?"]),
         ("data.envs={a: {name: unit_env:UnitEnvv}}", ["data.envs.a: env.name:", "did you mean 'UnitEnv'?"]),
+        ("rollout.group_filter=unit_env:keep_al", ["rollout.group_filter: module 'unit_env' has no 'keep_al'",
+                                                   "did you mean 'keep_all'?"]),
+        ("train.advantage_fn=unit_env:advantagez", ["train.advantage_fn:", "did you mean 'advantages'?"]),
+        ("train.policy_loss_fn=unit_lossez:loss", ["train.policy_loss_fn: cannot import module 'unit_lossez'"]),
     ],
 )
 def test_config_show_names_the_misspelling(tmp_path: Path, override: str, expected: list[str]) -> None:

@@ -65,6 +65,27 @@ async def test_equal_reward_groups_are_dropped_and_free_their_slots(engines, tok
     assert stats.balanced() and scheduler.budget.accepted == 0
 
 
+async def test_a_group_filter_keeps_drops_and_survives_its_own_errors(engines, tokenizer) -> None:
+    """`rollout.group_filter` (slime's dynamic sampling filter): True keeps a group, False or a reason
+    drops it as `filtered`; one that raises drops the group as `filter_error`. Dropped slots are freed."""
+    seen: list[list[Trajectory]] = []
+
+    def every_other(group: list[Trajectory]) -> bool | str:
+        seen.append(group)
+        if len(seen) % 3 == 0:
+            raise RuntimeError("the judge is down")
+        return True if len(seen) % 3 == 1 else "too easy"
+
+    sink = ListSink()
+    async with SGLangClient([engines[0].url]) as client:
+        scheduler = make(client, tokenizer, sink, group_filter=every_other, batch_size=4, max_staleness=4)
+        stats = await scheduler.run(num_groups=6)
+    assert len(seen) == 6 and all(len(g) == 4 for g in seen)
+    assert {g[0].group_id for g in sink.groups} == {seen[0][0].group_id, seen[3][0].group_id}
+    assert stats.dropped == {"filtered": 8, "filter_error": 8} and stats.filter_errors == 2
+    assert stats.balanced() and scheduler.budget.accepted == 8
+
+
 async def test_eta_zero_waits_for_the_trainer(engines, tokenizer, tmp_path: Path) -> None:
     sink = JsonlSink(tmp_path / "out.jsonl")
     async with SGLangClient([engines[1].url]) as client:

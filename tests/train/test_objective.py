@@ -106,3 +106,27 @@ def test_positive_nll_weights_the_tokens_of_better_than_average_samples() -> Non
     # the NLL adds -coef / 3 to the gradient of each of row 0's tokens, and nothing elsewhere
     extra = logp.grad - logp2.grad
     torch.testing.assert_close(extra, T([[0.0, -1 / 6, -1 / 6, -1 / 6], [0.0] * 4, [0.0] * 4]))
+
+
+def test_a_custom_advantage_function_replaces_the_estimator() -> None:
+    b = batch()
+    o = Objective(TrainConfig(loss="ppo", advantage_fn="custom_rl:advantages"))
+    p = o.prepare(b, b.behaviour_logprobs)
+    want = (b.rewards - 0.5)[:, None] * b.loss_mask
+    torch.testing.assert_close(p.advantages, want)
+    with pytest.raises(ValueError, match=r"train.advantage_fn returned \(1,\); expected a tensor of \(3,\)"):
+        Objective(TrainConfig(advantage_fn="custom_rl:bad_shape")).prepare(b, b.behaviour_logprobs)
+    with pytest.raises(ValueError, match=r"train\.advantage_fn: module 'custom_rl' has no 'advantagez'; did you mean"):
+        Objective(TrainConfig(advantage_fn="custom_rl:advantagez"))
+
+
+def test_a_custom_policy_loss_is_aggregated_like_the_recipes() -> None:
+    b = batch()
+    o = Objective(TrainConfig(loss="ppo", policy_loss_fn="custom_rl:reinforce"))
+    p = o.prepare(b, b.behaviour_logprobs)
+    logp = (b.behaviour_logprobs - 0.3).requires_grad_()
+    loss, _ = o.loss_fn(p)(b, slice(0, 3), Logprobs(logp, None))
+    want = -(p.advantages * logp.detach() * p.weights).sum()  # ppo: no behaviour correction (weights 1)
+    torch.testing.assert_close(loss.detach(), want)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -p.advantages * p.weights)
