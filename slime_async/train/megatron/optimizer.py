@@ -156,15 +156,16 @@ class MegatronOptimizer:
             # Without Apex/TE, Megatron falls back to torch's Adam, which keeps a per-parameter "step"
             # that the distributed optimizer's parameter state neither saves nor expects (its loader
             # copies every key of the live state): take it out for the load, put the saved one back.
-            states = self._inner_states()
-            for st in states:
+            for st in self._inner_states():
                 st.pop("step", None)
             self.optimizer.load_parameter_state(str(directory / f"param_state_tp{layout.tp_rank:02d}"
                                                                 f"_pp{layout.pp_rank:02d}.pt"))
             if state["adam_step"] is not None:
-                for st in states:
-                    if "exp_avg" in st:
-                        st["step"] = torch.tensor(float(state["adam_step"]))
+                for inner in self._inner_optimizers():
+                    for param, st in inner.state.items():
+                        if "exp_avg" in st:  # the fused kernel keeps the step on the parameter's device
+                            st["step"] = torch.tensor(float(state["adam_step"]), dtype=torch.float32,
+                                                      device=param.device)
 
     def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers inside Megatron's (chained) optimizer."""
