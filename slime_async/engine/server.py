@@ -357,6 +357,8 @@ class EngineServer(ControlRoutes):
 
         async def send(seq: Sequence, finished: bool) -> None:
             out = reply(req, seq, tok, self.engine.weight_version, finished)
+            if not finished and held_back(out["text"], _stops(seq.params)):
+                return  # the reply's own text: decoding the output a second time per token would double the cost
             if not single:
                 out["index"] = index[seq.rid]
             await response.write(b"data: " + dumps(out) + b"\n\n")
@@ -372,7 +374,7 @@ class EngineServer(ControlRoutes):
                     await send(seq, True)
                     continue
                 every = seq.params.stream_interval or 1
-                if len(seq.output) % every == 0 and not held_back(tok.decode(seq.output), _stops(seq.params)):
+                if len(seq.output) % every == 0:
                     await send(seq, False)
             await response.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
