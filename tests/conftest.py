@@ -30,6 +30,14 @@ def tiny_model_dir(cache_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir(cache_dir: Path) -> Path:
+    """The tiny Qwen3-MoE model (`model.path: tiny-moe`), made once per session."""
+    from slime_async.train.tiny_model import cached_model_dir
+
+    return cached_model_dir("tiny-moe", seed=0)
+
+
+@pytest.fixture(scope="session")
 def varied_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with weights whose greedy continuations vary from token to token."""
     out = tmp_path_factory.mktemp("varied")

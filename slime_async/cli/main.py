@@ -202,11 +202,12 @@ def serve(
 @clear_errors
 def init_model(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the model into.", show_default=False)],
-    preset: Annotated[str, typer.Option(help="Model size: tiny (~3.4M), small, 100m, 0.5b.")] = "tiny",
+    preset: Annotated[str, typer.Option(
+        help="Model size: tiny (~3.4M), tiny-moe (Qwen3-MoE, 8 experts, top-2), small, 100m, 0.5b.")] = "tiny",
     seed: int = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace OUT_DIR if it exists.")] = False,
 ) -> None:
-    """Make a tiny local model (BPE tokenizer, chat template with tools, random Qwen2). No download."""
+    """Make a tiny local model (BPE tokenizer, chat template with tools, random Qwen2 or Qwen3-MoE). No download."""
     from slime_async.train.tiny_model import PRESETS, make_model
 
     if preset not in PRESETS:

@@ -8,14 +8,17 @@ from typing import Any
 from slime_async.config.loader import ConfigError
 
 TINY = "tiny"
+PRESET_PATHS = ("tiny", "tiny-moe")
+"""`model.path` values that name a made-on-first-use preset model instead of a directory."""
 
 
 def resolve_model_path(path: str, field: str = "model.path") -> Path:
-    """The directory that `model.path` means: `tiny` is the cached tiny model (made on first use)."""
-    if path == TINY:
+    """The directory that `model.path` means: `tiny` (or `tiny-moe`) is the cached preset model (made on
+    first use)."""
+    if path in PRESET_PATHS:
         from slime_async.train.tiny_model import cached_model_dir
 
-        return cached_model_dir("tiny", seed=0)
+        return cached_model_dir(path, seed=0)
     return check_model_dir(path, field)
 
 

@@ -319,6 +319,10 @@ class MegatronConfig(_Section):
     data_parallel: PositiveInt | None = None
     """Data-parallel size; None: world size / (tensor_parallel x pipeline_parallel). Rows of a batch
     are spread over data-parallel ranks; gradients are summed across them."""
+    expert_parallel: PositiveInt = 1
+    """Expert-parallel size for MoE models: the experts of each layer are split over this many ranks
+    of the data-parallel group (tokens travel to their experts by all-to-all). Must divide the number
+    of experts and the data-parallel size."""
     distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer; GPU only)."""
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
@@ -334,6 +338,23 @@ class MegatronConfig(_Section):
     """On a GPU without tensor parallelism: the token logprobs from the logits as one compiled kernel
     each way (`torch.compile`), reading the bf16 logits instead of a float32 copy kept for the backward
     pass (the LM head's output over a 152k vocabulary is the largest tensor of a step)."""
+
+
+class MoeConfig(_Section):
+    """Mixture-of-experts training (ignored for dense models)."""
+
+    routing_replay: bool = True
+    """Record the experts the engine chose for each token and have the trainer's forward passes use
+    them (its logprob recompute and its training step; the router still learns through the chosen
+    experts' weights). Without it, experts that the engine and the trainer choose differently for the
+    same token make importance ratios swing. Engines must report routing (the embedded engine does;
+    SGLang needs `--enable-return-routed-experts`, set for you when it is launched here)."""
+    aux_loss_coef: NonNegativeFloat | None = None
+    """Weight of the load-balancing loss (Switch Transformer's, summed over the layers); None: the
+    checkpoint's `router_aux_loss_coef`. Logged as `moe/aux_loss` (mean over layers; 1.0 is balanced)."""
+    z_loss_coef: NonNegativeFloat = 0.0
+    """Weight of the router z-loss (mean squared logsumexp of the router logits, summed over the
+    layers). Logged as `moe/z_loss` (mean over layers)."""
 
 
 class TrainConfig(_Section):
@@ -446,6 +467,8 @@ class TrainConfig(_Section):
     """Most recent checkpoints kept; older ones are deleted."""
     megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
     """Settings of the `megatron` backend."""
+    moe: MoeConfig = msgspec.field(default_factory=MoeConfig)
+    """Mixture-of-experts models: routing replay and the router's losses."""
 
 
 class SyncConfig(_Section):
@@ -592,6 +615,12 @@ class LaunchConfig(_Section):
     ready_timeout_s: PositiveFloat = 300.0
     """How long a starting part may take to say it is ready (an SGLang server: to pass its health
     check; under Ray, placement groups: to get their resources)."""
+    torch_threads: PositiveInt | None = None
+    """Torch CPU threads (OMP_NUM_THREADS) of each process that computes on the CPU: the trainer and each
+    embedded engine. None: this machine's cores divided among them, at least 1 each (torch's default
+    gives every process all the cores: on 2 cores the trainer and the engine then fight over them).
+    Other parts get 1. An OMP_NUM_THREADS already set in the environment wins. Under Ray, Ray sets it
+    from each part's `cpus`."""
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
     """Cluster mode on Ray (used with `slime-async train --ray`)."""
 

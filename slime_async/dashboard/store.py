@@ -71,6 +71,14 @@ _LIST_COLUMNS = ("id, step, time, group_id, task_id, sample_index, env, reward, 
                  "min_version, max_version, tokens, completion_tokens, turns")
 
 
+def _without_routes(traj: Trajectory) -> Trajectory:
+    """The trajectory without its MoE routing records: they are the trainer's (layers x top_k ids per
+    token: a real MoE's dwarf its tokens), and nothing here shows them."""
+    if all(t.routed_experts is None for t in traj.turns):
+        return traj
+    return msgspec.structs.replace(traj, turns=[msgspec.structs.replace(t, routed_experts=None) for t in traj.turns])
+
+
 class StoreError(ValueError):
     """A store that cannot be read, or a query it cannot answer; the message names the place."""
 
@@ -154,7 +162,8 @@ class TrajectoryWriter:
                          float(traj.reward), float(adv), traj.stop_reason.value,
                          min(versions) if versions else None, max(versions) if versions else None,
                          traj.num_tokens, traj.num_completion_tokens, len(traj.turns),
-                         "\n".join(p + c for p, c in texts), msgspec.msgpack.encode(texts), to_msgpack(traj)))
+                         "\n".join(p + c for p, c in texts), msgspec.msgpack.encode(texts),
+                         to_msgpack(_without_routes(traj))))
         new_ids -= self._known
         with self.conn:  # one transaction per step: a reader sees a step whole or not at all
             self.conn.executemany(f"INSERT OR REPLACE INTO trajectories VALUES ({','.join('?' * 18)})", rows)

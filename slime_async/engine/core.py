@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from slime_async.engine.graphs import make_decoder
@@ -28,6 +29,7 @@ from slime_async.engine.model import SlotModel
 from slime_async.engine.protocol import SamplingParams
 from slime_async.engine.sampling import sample
 from slime_async.engine.weights import InPlaceCopier
+from slime_async.sync.hf_layout import checkpoint_views
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,13 @@ class Sequence:
     """SGLang's `logprob_start_len` when prompt logprobs are asked for (0..len(prompt)), else None."""
     input_logprobs: list[tuple[float | None, int]] | None = None
     """(logprob, token) from `input_logprob_start` on; the first logprob is None, as in SGLang."""
+    routes_from: int | None = None
+    """SGLang's `routed_experts_start_len` when routed experts are asked for (and the model has
+    experts), else None: nothing is recorded for the sequence."""
+    route_chunks: list[torch.Tensor] = field(default_factory=list)
+    """Expert ids of the fed positions 0..cached-1 so far, on the device (int32 [n, layers x k] each)."""
+    routed_experts: np.ndarray | None = None
+    """When finished: int32 [prompt + output - 1 - routes_from, layers x k] (SGLang's rows)."""
     retractions: int = 0
     aborted_waiting: bool = False
     """Aborted while in the queue (SGLang answers those with a shorter `meta_info`)."""
@@ -89,10 +98,9 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.context_length = context_length or int(model.config.max_position_embeddings)
         self.slots = SlotModel(model, max_batch_size, self.context_length)
-        # tied weights answer to both names (lm_head.weight and model.embed_tokens.weight); the
-        # Parameter objects outlive device moves (release/resume), so the map is built once
-        self._params = dict(model.named_parameters(remove_duplicate=False))
-        self._copy_in = InPlaceCopier(self._params)
+        self.moe = self.slots.moe
+        """The experts' layout; None for a dense model (which never reports routed experts)."""
+        self._map_weights()
         self.decoder = make_decoder(self.slots, cuda_graphs)
         """The decode step: eager on CPU, CUDA graphs per batch-size bucket on a GPU."""
         self.seed = seed
@@ -189,8 +197,12 @@ class Engine:
             seq = self.waiting[0]
             if seq.params.max_new_tokens == 0:  # SGLang's prefill-only request: scores, no token
                 self.waiting.popleft()
+                slot = len(self.running) + len(batch)
                 if seq.input_logprob_start is not None:
-                    self._prompt_logprobs(seq, len(self.running) + len(batch))
+                    self._prompt_logprobs(seq, slot)
+                if seq.routes_from is not None:
+                    self.slots.prefill(slot, seq.prompt, record=True)
+                    seq.route_chunks = [self._recorded(0, len(seq.prompt))]
                 self._finish(seq, {"type": "length", "length": 0})
                 continue
             length = seq.length  # after a retract, re-prefill what was generated too
@@ -204,9 +216,12 @@ class Engine:
         for i, seq in enumerate(batch):  # before the batch's prefill, which then rewrites the slots
             if seq.input_logprob_start is not None and seq.input_logprobs is None:
                 self._prompt_logprobs(seq, first + i)
-        logits = self.slots.prefill_batch(first, [s.prompt + s.output for s in batch])
+        record = any(s.routes_from is not None for s in batch)
+        logits = self.slots.prefill_batch(first, [s.prompt + s.output for s in batch], record=record)
         for i, seq in enumerate(batch):
             seq.slot, seq.cached = first + i, seq.length
+            if seq.routes_from is not None:  # a retracted sequence's earlier record is recomputed here
+                seq.route_chunks = [self._recorded(i, seq.length)]
             self.running.append(seq)
         self._sample(batch, logits)
 
@@ -223,9 +238,20 @@ class Engine:
         scores = torch.log_softmax(logits[start:-1].float(), dim=-1).gather(1, targets[:, None])[:, 0].tolist()
         seq.input_logprobs = [(None, seq.prompt[start]), *zip(scores, seq.prompt[start + 1:], strict=True)]
 
+    def _recorded(self, row: int, length: int) -> torch.Tensor:
+        recorded = self.slots.recorded
+        assert recorded is not None, "a recording forward leaves its expert ids"
+        return recorded[row, :length]
+
     def _decode(self) -> None:
         batch = list(self.running)
-        logits = self.decoder.decode([s.output[-1] for s in batch], [s.length - 1 for s in batch])
+        record = self.moe is not None and any(s.routes_from is not None for s in batch)
+        logits = self.decoder.decode([s.output[-1] for s in batch], [s.length - 1 for s in batch], record)
+        if record:  # copied: the next step (a replayed graph) rewrites the buffer
+            step = self.slots.step_routes[: len(batch)].clone()
+            for i, s in enumerate(batch):
+                if s.routes_from is not None:
+                    s.route_chunks.append(step[i : i + 1])
         for s in batch:
             s.cached = s.length
         self.steps += 1
@@ -279,6 +305,9 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
         seq.finish_reason = reason
+        if seq.routes_from is not None:
+            seq.routed_experts = _routes_of(seq)
+            seq.route_chunks = []
         self.finished += 1
         self.aborted += reason["type"] == "abort"
         if seq in self.running:
@@ -349,7 +378,8 @@ class Engine:
         if "kv_cache" in tags and "kv_cache" not in self.released:
             self.slots.release()
         if "weights" in tags and "weights" not in self.released:
-            self.model.to("cpu")  # parameters keep their identity: weight updates still find them
+            self.model.to("cpu")  # parameters keep their identity, but not their memory
+            self._map_weights()
         self.decoder.release()  # recorded graphs hold the old addresses and their own memory pool
         self.released |= tags & {"kv_cache", "weights"}
         _empty_device_cache(self.slots.device)
@@ -360,10 +390,23 @@ class Engine:
         if "weights" in tags and "weights" in self.released:
             self.model.to(self.slots.device)
             self.slots.invalidate()
+            self._map_weights()
         if "kv_cache" in tags and "kv_cache" in self.released:
             self.slots.allocate()
         self.released -= tags
         self._wake.set()
+
+    def _map_weights(self) -> None:
+        """The tensors an update may name, and its copier. Tied weights answer to both names
+        (lm_head.weight and model.embed_tokens.weight). An MoE model's experts answer to their
+        checkpoint names (`model.layers.N.mlp.experts.E.gate_proj.weight`, as SGLang, vLLM and our
+        weight wire send them) as views into transformers' fused parameters: views of the memory
+        the parameters hold now, so the map is rebuilt when the weights move (release/resume)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        if self.moe is not None:
+            params |= {name: view for name, view in checkpoint_views(self.model).items() if name not in params}
+        self._params = params
+        self._copy_in = InPlaceCopier(params)
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: str | None) -> int:
         """Copy named tensors (HF names) into the model, all or nothing; set the version.
@@ -388,6 +431,20 @@ PREFILL_TOKENS = 8192
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 """SGLang's GPU memory types (`GPU_MEMORY_ALL_TYPES`); the embedded engine's CUDA graphs are dropped
 by any release (they are recorded again at the next step)."""
+
+
+def _routes_of(seq: Sequence) -> np.ndarray | None:
+    """SGLang's rows of a finished sequence: positions [routes_from, length - 1) (the last token is
+    never fed), or None when its record does not reach that far (a step failed)."""
+    if not seq.route_chunks or seq.aborted_waiting:  # SGLang's reply to a request aborted in its queue has none
+        return None
+    start, end = seq.routes_from or 0, seq.length - 1
+    fed = sum(len(c) for c in seq.route_chunks)
+    if fed < end:
+        log.warning("request %s: routed experts of %d positions recorded, %d needed; none returned",
+                    seq.rid, fed, end)
+        return None
+    return torch.cat(seq.route_chunks)[start:end].cpu().numpy()
 
 
 def _empty_device_cache(device: torch.device) -> None:

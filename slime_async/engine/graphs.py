@@ -25,8 +25,9 @@ Capture = Callable[[Callable[[], torch.Tensor]], tuple[Replay, torch.Tensor]]
 
 
 class Decoder(Protocol):
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [B, vocab] for the sequences in slots 0..B-1: token i at positions[i]."""
+    def decode(self, tokens: list[int], positions: list[int], record: bool = False) -> torch.Tensor:
+        """Logits [B, vocab] for the sequences in slots 0..B-1: token i at positions[i]. With `record`,
+        an MoE model's expert ids are in `SlotModel.step_routes[:B]` after it."""
         ...
 
     def release(self) -> None:
@@ -40,8 +41,8 @@ class EagerDecoder:
     def __init__(self, slots: SlotModel) -> None:
         self.slots = slots
 
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        return self.slots.decode(tokens, positions)
+    def decode(self, tokens: list[int], positions: list[int], record: bool = False) -> torch.Tensor:
+        return self.slots.decode(tokens, positions, record)
 
     def release(self) -> None:
         pass
@@ -78,7 +79,8 @@ class GraphDecoder:
         return next(b for b in self.buckets if b >= n)
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(self, tokens: list[int], positions: list[int], record: bool = False) -> torch.Tensor:
+        # every graph writes an MoE model's expert ids into `step_routes` (`decode_static`)
         n = len(tokens)
         self.slots.ensure_capacity(max(positions) + 1)
         if self._generation != self.slots.generation:

@@ -18,11 +18,16 @@ from slime_async.engine.server import EngineServer
 def load_engine(model_path: str | Path, device: str = "auto", dtype: str = "float32", max_batch_size: int = 32,
                 seed: int = 0, context_length: int | None = None, weight_version: str = "0",
                 cuda_graphs: bool = True) -> Engine:
-    """Load tokenizer and model with transformers and wrap them in an `Engine`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load tokenizer and model with transformers and wrap them in an `Engine` (dense models of the
+    Llama family, and Qwen3-MoE: `slime_async.moe.shape` refuses any other MoE layout)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from slime_async.moe.shape import moe_shape
+
     hf_logging.disable_progress_bar()
+    # an MoE layout the engine does not compute is one error naming the config field, before any weights load
+    moe_shape(AutoConfig.from_pretrained(str(model_path)), "model_path")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))

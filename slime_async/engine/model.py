@@ -5,7 +5,8 @@ lengths to join and leave between decode steps. This module keeps the HF model's
 weight updates by HF name apply directly, in place) but runs its own compact forward over them:
 RMSNorm, RoPE from a precomputed cos/sin table, SDPA over a preallocated cache, the MLP; no HF
 module calls, no per-step cache allocation. Supports the Llama family layout (Llama, Qwen2 with
-QKV bias, Qwen3 with QK-norm).
+QKV bias, Qwen3 with QK-norm) and Qwen3-MoE's sparse MLP (`moe`), which can record the experts
+each token was routed to (SGLang's `return_routed_experts`).
 
 Slots are kept compact by the engine: a batch of B sequences occupies slots 0..B-1 (`move`
 fills a hole when a sequence leaves), so a decode step reads the cache as one contiguous slice
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from slime_async.engine.moe import MoeMlp, moe_forward, moe_mlp
+from slime_async.moe.shape import moe_shape
 
 
 @dataclass(frozen=True)
@@ -38,9 +42,11 @@ class _Layer:
     v_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: torch.Tensor | None
+    up: torch.Tensor | None
+    down: torch.Tensor | None
+    moe: MoeMlp | None
+    """The sparse MLP of an MoE layer (then gate, up and down are None)."""
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor | None:
@@ -55,7 +61,10 @@ def _layer(layer: nn.Module) -> _Layer:
         q_bias=_bias(attn.q_proj), k_bias=_bias(attn.k_proj), v_bias=_bias(attn.v_proj),
         q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
         k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
-        gate=mlp.gate_proj.weight, up=mlp.up_proj.weight, down=mlp.down_proj.weight,
+        gate=getattr(getattr(mlp, "gate_proj", None), "weight", None),
+        up=getattr(getattr(mlp, "up_proj", None), "weight", None),
+        down=getattr(getattr(mlp, "down_proj", None), "weight", None),
+        moe=moe_mlp(mlp) if hasattr(mlp, "experts") else None,
     )
 
 
@@ -70,7 +79,10 @@ class SlotModel:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = float(cfg.rms_norm_eps)
-        self.act = inner.layers[0].mlp.act_fn
+        self.moe = moe_shape(cfg)
+        """The experts' layout (None: a dense model); an unsupported MoE config is a ValueError."""
+        mlp = inner.layers[0].mlp
+        self.act = mlp.experts.act_fn if self.moe is not None else mlp.act_fn
         self.layers = [_layer(layer) for layer in inner.layers]
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
@@ -84,6 +96,13 @@ class SlotModel:
         self.generation = 0
         """Bumped whenever the cache tensors are replaced: captured graphs hold their addresses."""
         self.allocate()
+        self.recorded: torch.Tensor | None = None
+        """Expert ids of the last forward that recorded (`record`): int32 [B, S, layers x top_k]
+        (layer-major, each layer's k in descending probability: SGLang's order)."""
+        self.step_routes = None if self.moe is None else torch.zeros(
+            max_slots, self.moe.route_width, dtype=torch.int32, device=self.device)
+        """Expert ids of the last decode step that recorded, rows 0..B-1: a fixed buffer, so a
+        replayed CUDA graph rewrites it."""
 
     @torch.inference_mode()
     def _rope_table(self) -> None:
@@ -138,8 +157,10 @@ class SlotModel:
             v[dst, :, :length] = v[src, :, :length]
 
     @torch.inference_mode()
-    def prefill(self, slot: int, input_ids: list[int], start: int = 0, all_logits: bool = False) -> torch.Tensor:
-        """Run `input_ids` at positions start.. in `slot` (its cache before `start` is kept).
+    def prefill(self, slot: int, input_ids: list[int], start: int = 0, all_logits: bool = False,
+                record: bool = False) -> torch.Tensor:
+        """Run `input_ids` at positions start.. in `slot` (its cache before `start` is kept); `record`
+        keeps the expert ids of every position in `recorded` (an MoE model).
 
         Returns the logits of the last position, shape [1, vocab], or of every position with
         `all_logits` (the LM head over a long prompt costs as much as the layers for real vocabularies).
@@ -151,16 +172,17 @@ class SlotModel:
         # query i (position start+i) sees cache positions 0..start+i
         mask = torch.arange(start + n, device=self.device)[None, :] <= positions[:, None]
         last = None if all_logits else torch.tensor([n - 1], device=self.device)
-        logits = self._forward(ids, positions[None, :], slot, mask[None, None], start + n, last)
+        logits = self._forward(ids, positions[None, :], slot, mask[None, None], start + n, last, record=record)
         return logits if last is not None else logits[0]
 
     @torch.inference_mode()
-    def prefill_batch(self, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
+    def prefill_batch(self, first_slot: int, prompts: list[list[int]], record: bool = False) -> torch.Tensor:
         """Prefill prompts of any lengths into slots first_slot.. in one forward (one call of each
         op for the lot instead of one per prompt). Logits of each prompt's last token [n, vocab].
 
         Shorter prompts are padded at the end: their padding writes the cache past the prompt,
-        where nothing reads before the sequence's own tokens overwrite it.
+        where nothing reads before the sequence's own tokens overwrite it. `record`: as `prefill`
+        (the rows past each prompt are its padding's).
         """
         lengths = [len(p) for p in prompts]
         width = max(lengths)
@@ -170,36 +192,49 @@ class SlotModel:
         mask = positions[None, :] <= positions[:, None]  # causal: real queries never see padding
         last = torch.tensor(lengths, device=self.device) - 1
         rows = positions[None, :].expand(len(prompts), width)
-        return self._forward(ids, rows, first_slot, mask[None, None], width, last)
+        return self._forward(ids, rows, first_slot, mask[None, None], width, last, record=record)
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One step for the sequences in slots 0..B-1: token i sits at positions[i]. Logits [B, vocab]."""
+    def decode(self, tokens: list[int], positions: list[int], record: bool = False) -> torch.Tensor:
+        """One step for the sequences in slots 0..B-1: token i sits at positions[i]. Logits [B, vocab].
+        `record`: their expert ids into `step_routes` (an MoE model)."""
         total = max(positions) + 1
         self.ensure_capacity(total)
         ids = torch.tensor(tokens, device=self.device)
         pos = torch.tensor(positions, device=self.device)
-        return self.decode_static(ids, pos, total)
+        return self._step(ids, pos, total, static=False, record=record)
 
     @torch.inference_mode()
     def decode_static(self, ids: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
         """The decode step over tensors only (no host sync, no allocation that depends on values):
         rows 0..B-1 of `ids`/`positions` [B] are slots 0..B-1, attending cache positions < `length`.
-        Logits [B, vocab] in float32."""
+        Logits [B, vocab] in float32. An MoE model's expert ids always go to `step_routes` (a graph
+        cannot choose per replay; a few ids per token beside the experts' matmuls)."""
+        return self._step(ids, positions, length, static=True, record=True)
+
+    def _step(self, ids: torch.Tensor, positions: torch.Tensor, length: int, static: bool, record: bool
+              ) -> torch.Tensor:
         mask = torch.arange(length, device=ids.device)[None, :] <= positions[:, None]
-        return self._forward(ids[:, None], positions[:, None], 0, mask[:, None, None, :], length, None)[:, 0]
+        logits = self._forward(ids[:, None], positions[:, None], 0, mask[:, None, None, :], length, None,
+                               static=static, record=record)[:, 0]
+        if record and self.step_routes is not None and self.recorded is not None:
+            self.step_routes[: ids.shape[0]].copy_(self.recorded[:, 0])
+        return logits
 
     def _forward(
         self, ids: torch.Tensor, positions: torch.Tensor, first_slot: int, mask: torch.Tensor, total: int,
-        last: torch.Tensor | None,
+        last: torch.Tensor | None, static: bool = False, record: bool = False,
     ) -> torch.Tensor:
         """ids and positions [B, S] for slots first_slot.., mask [B, 1, S, total]. Logits [B, S, vocab],
-        or [B, vocab] at the index `last` [B] of each row (the LM head only where it is needed)."""
+        or [B, vocab] at the index `last` [B] of each row (the LM head only where it is needed).
+        An MoE layer runs its experts `static`ally (`moe.dense`) or not; `record` keeps their ids in
+        `recorded`."""
         b, s = ids.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, S, hd]
         rows = torch.arange(first_slot, first_slot + b, device=ids.device)[:, None]
+        routes: list[torch.Tensor] = []
         for layer, k_cache, v_cache in zip(self.layers, self.k, self.v, strict=True):
             h = F.rms_norm(x, (x.shape[-1],), layer.ln1, self.eps)
             q = F.linear(h, layer.q, layer.q_bias).view(b, s, nh, hd)
@@ -219,7 +254,15 @@ class SlotModel:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             x = x + F.linear(out.transpose(1, 2).reshape(b, s, nh * hd), layer.o)
             h = F.rms_norm(x, (x.shape[-1],), layer.ln2, self.eps)
-            x = x + F.linear(self.act(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down)
+            if layer.moe is not None and self.moe is not None:
+                out, chosen = moe_forward(h, layer.moe, self.moe, self.act, static)
+                x = x + out
+                if record:
+                    routes.append(chosen)
+            else:
+                x = x + F.linear(self.act(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down)
+        if routes:
+            self.recorded = torch.cat(routes, dim=-1).to(torch.int32)  # [B, S, layers x k]
         if last is not None:
             x = x[torch.arange(b, device=x.device), last]
         return F.linear(F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps), self.lm_head).float()

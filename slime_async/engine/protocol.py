@@ -117,6 +117,14 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     """A data-parallel rank to route to: this engine has one, so only 0 (SGLang's range check)."""
     data_parallel_rank: int | None = None
     """SGLang's deprecated name of `routed_dp_rank`."""
+    return_routed_experts: bool = False
+    """Add `meta_info.routed_experts` to the finished reply: base64 of int32 [positions, layers, top_k],
+    the experts each fed position was routed to (an MoE model; a dense one has none to report, and
+    the key is left out, as SGLang leaves it out without `--enable-return-routed-experts`). One value
+    for the whole batch, as in SGLang (`GenerateReqInput.__getitem__` hands it to every prompt)."""
+    routed_experts_start_len: int = 0
+    """The first position reported: the reply covers `[routed_experts_start_len, prompt + output - 1)`;
+    0..the prompt's length (checked only when `return_routed_experts`, as SGLang's scheduler does)."""
     # SGLang's, not implemented here: refused unless neutral (see `unsupported_fields`)
     input_embeds: Any = None
     watermark: Any = None
@@ -139,11 +147,9 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     max_thinking_tokens: Any = None
     custom_logit_processor: Any = None
     images_config: Any = None
-    routed_experts_start_len: Any = None
     return_sampling_mask: Any = None
     modalities: Any = None
     # in `io_struct.GenerateReqInput`, not in SGLang's JSON contract: FastAPI reads them all the same
-    return_routed_experts: Any = None
     return_indexer_topk: Any = None
     return_entropy: Any = None
     return_bytes: Any = None

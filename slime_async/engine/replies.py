@@ -17,6 +17,7 @@ from aiohttp import web
 
 from slime_async.engine import protocol as p
 from slime_async.engine.core import Sequence, version_spans
+from slime_async.moe.routing import encode_sglang
 
 _ENCODER = msgspec.json.Encoder()
 
@@ -51,6 +52,8 @@ def reply(req: p.GenerateReqInput, seq: Sequence, tokenizer: Any, version: str, 
     spans = version_spans(seq.versions) or [{"version": version, "start": 0, "end": 0}]
     meta["weight_versions"] = spans
     meta["weight_version"] = spans[-1]["version"]
+    if finished and seq.routed_experts is not None:  # SGLang collects them when the request finishes
+        meta["routed_experts"] = encode_sglang(seq.routed_experts)
     if finished:
         meta["e2e_latency"] = time.monotonic() - seq.created
         meta["response_sent_to_client_ts"] = time.time()

@@ -31,6 +31,8 @@ class Prompt:
     logprob_start_len: int
     where: str
     """How an error names this prompt: `input_ids`, or `input_ids[3]` in a batch."""
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     def sample_rids(self) -> list[str]:
         """The ids of its n samples: its own for one; `{rid}-{j}` for several, so that aborting the
@@ -73,7 +75,8 @@ def split(req: GenerateReqInput, max_n: int) -> tuple[list[Prompt], bool]:
     rids = _rids(req.rid, size, single)
     prompts = [
         Prompt(rid=rids[i], text=texts[i], input_ids=ids[i], params=params[i], return_logprob=bool(logprob[i]),
-               logprob_start_len=-1 if starts[i] is None else starts[i], where=key if single else f"{key}[{i}]")
+               logprob_start_len=-1 if starts[i] is None else starts[i], where=key if single else f"{key}[{i}]",
+               return_routed_experts=req.return_routed_experts, routed_experts_start_len=req.routed_experts_start_len)
         for i in range(size)
     ]
     return prompts, single and n == 1

@@ -279,7 +279,10 @@ class EngineServer(ControlRoutes):
                 seqs.append(Sequence(
                     rid=rid, prompt=prompt.input_ids or [], params=prompt.params, stop_window=window,
                     input_logprob_start=prompt.logprob_start_len if prompt.return_logprob
-                    and prompt.logprob_start_len >= 0 else None, request=prompt))
+                    and prompt.logprob_start_len >= 0 else None, request=prompt,
+                    # a dense model has no experts to report: SGLang without its capturer
+                    routes_from=prompt.routed_experts_start_len if prompt.return_routed_experts
+                    and self.engine.moe is not None else None))
         return seqs
 
     def _check(self, prompt: requests.Prompt) -> int:
@@ -309,6 +312,10 @@ class EngineServer(ControlRoutes):
         if prompt.return_logprob and not -1 <= prompt.logprob_start_len <= len(ids):
             raise ValueError(f"logprob_start_len: {prompt.logprob_start_len}, for a prompt of {len(ids)} tokens "
                              "(-1 or 0..the prompt's length)")
+        start = prompt.routed_experts_start_len
+        if prompt.return_routed_experts and not 0 <= start <= len(ids):  # SGLang's scheduler's rule
+            raise ValueError(f"routed_experts_start_len: {start}, for a prompt of {len(ids)} tokens "
+                             "(0..the prompt's length)")
         stops = _stops(sp)
         if len(stops) > MAX_STOP_COUNT:
             raise ValueError(f"sampling_params.stop: at most {MAX_STOP_COUNT} stop strings are allowed, "

@@ -55,6 +55,10 @@ class Generation(msgspec.Struct, kw_only=True):
     """Weight version that produced each output token."""
     finish_reason: FinishReason
     """`stop` (a stop token or string), `length` (max_new_tokens), `abort` (the server gave up on it)."""
+    routed_experts: np.ndarray | None = None
+    """MoE routing replay: the experts the engine routed each position of the sequence to, from its
+    start (or its latest new branch) to the last-but-one output token, [positions, layers x top_k]
+    (`slime_async.moe.routing`); `run_episode` splits it over the turns. None: not recorded."""
 
 
 class Policy(Protocol):

@@ -15,6 +15,7 @@ addresses replaced: each part's process then belongs to a Ray actor in its role'
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -48,6 +49,12 @@ def engine_args(cfg: Config, i: int) -> list[str]:
     args = ["--device", cfg.model.device, "--dtype", cfg.model.dtype, "--max-batch-size",
             str(cfg.engine.max_batch_size), "--seed", str(cfg.run.seed + i), "--host", cfg.engine.host]
     return args  # the admin token goes by the environment (`engine_env`), never on the command line
+
+
+def compute_threads(cfg: Config, with_trainer: bool) -> int:
+    """This machine's cores divided among the processes that compute on them (at least 1 each)."""
+    engines = cfg.engine.num_engines if cfg.engine.kind == "embedded" and not cfg.engine.urls else 0
+    return max(1, len(os.sched_getaffinity(0)) // max(1, engines + int(with_trainer)))
 
 
 def engine_env(cfg: Config) -> dict[str, str]:
@@ -220,7 +227,8 @@ class LocalLauncher:
                 args[args.index("--host") + 1] = HOST  # the address of the node it runs on
                 argv = [sys.executable, "-m", "slime_async.cli", "serve", "--model", str(self.model_dir),
                         *args, "--port", PORT, "--weight-version", version]
-                child = self.spawn(f"engine-{i}", argv, ENGINE_READY, port=port[0], env=engine_env(c))
+                child = self.spawn(f"engine-{i}", argv, ENGINE_READY, port=port[0],
+                                   env={**engine_env(c), **self.threads_env(compute=True)})
             port[0] = int(child.url.rsplit(":", 1)[1])  # restarts come back on the same port
             return child
 
@@ -238,7 +246,8 @@ class LocalLauncher:
         # end would wait out the timeouts of its last requests to them (30 s and more), and a killed
         # trainer loses nothing (checkpoints; the buffer hands unreported batches back on --resume)
         self._launch(Part("trainer", lambda restarts: self.spawn("trainer", self._trainer_argv(), r"^READY",
-                                                                 orphan_signal=signal.SIGKILL)))
+                                                                 orphan_signal=signal.SIGKILL,
+                                                                 env=self.threads_env(compute=True))))
 
     def _trainer_argv(self) -> list[str]:
         return [sys.executable, "-m", "slime_async.train.worker", CONFIG, "--buffer", self.buffer_endpoint,
@@ -250,7 +259,16 @@ class LocalLauncher:
                              "--buffer", self.buffer_endpoint, *self._url_args(self.rollout_urls), "--worker", str(i),
                              "--num-workers", str(workers), "--data-state",
                              str(self.run_dir / f"data-state-{i}.json")],
-            r"^READY")
+            r"^READY", env=self.threads_env(compute=False))
+
+    def threads_env(self, compute: bool) -> dict[str, str]:
+        """OMP_NUM_THREADS for a part (`launch.torch_threads`): the cores shared among the processes that
+        compute (the trainer, embedded engines), 1 for the others; nothing when the environment sets it."""
+        if "OMP_NUM_THREADS" in os.environ:
+            return {}
+        if not compute:
+            return {"OMP_NUM_THREADS": "1"}
+        return {"OMP_NUM_THREADS": str(self.cfg.launch.torch_threads or compute_threads(self.cfg, self.with_trainer))}
 
     @staticmethod
     def _url_args(urls: list[str]) -> list[str]:

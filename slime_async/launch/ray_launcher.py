@@ -151,6 +151,10 @@ class RayLauncher(LocalLauncher):
                 "log_path": str(self.run_dir / "logs" / f"{name}.log"), "timeout": self.cfg.launch.ready_timeout_s,
                 "wait": wait, "own_group": own_group}
 
+    def threads_env(self, compute: bool) -> dict[str, str]:
+        """Nothing: Ray sets each actor's OMP_NUM_THREADS from its `cpus`, which its process inherits."""
+        return {}
+
     def spawn(self, name: str, argv: list[str], ready: str | None, *, health_url: str | None = None,
               port: int = 0, orphan_signal: int = signal.SIGKILL, own_group: bool = False,
               env: dict[str, str] | None = None) -> Child:

@@ -16,10 +16,12 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from slime_async.config import Config
 from slime_async.config.sglang import server_args_spec, set_fields
+from slime_async.moe.shape import is_moe
 
 
 def sglang_argv(cfg: Config, *, model_path: str, host: str, port: int | str, index: int, weight_version: str,
@@ -29,6 +31,8 @@ def sglang_argv(cfg: Config, *, model_path: str, host: str, port: int | str, ind
     fields.setdefault("dtype", cfg.model.dtype)  # float32 / bfloat16 are SGLang choices too
     if release_memory:
         fields["enable_memory_saver"] = True  # without it /release_memory_occupation frees nothing
+    if cfg.train.moe.routing_replay and _is_moe(model_path):
+        fields["enable_return_routed_experts"] = True  # without it a request's return_routed_experts is ignored
     owned: dict[str, Any] = {"model_path": model_path, "host": host, "port": port, "random_seed": cfg.run.seed + index,
                              "weight_version": weight_version}
     if cfg.engine.admin_token:
@@ -37,6 +41,13 @@ def sglang_argv(cfg: Config, *, model_path: str, host: str, port: int | str, ind
     for name, value in {**owned, **fields}.items():
         argv += flag_args(name, value)
     return argv
+
+
+def _is_moe(model_path: str) -> bool:
+    config = Path(model_path) / "config.json"
+    if not config.is_file():  # a hub name or a path on another node: SGLang resolves it, we cannot tell
+        return False
+    return is_moe(SimpleNamespace(**json.loads(config.read_text())))
 
 
 def flag_args(name: str, value: Any) -> list[str]:

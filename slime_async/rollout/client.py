@@ -31,6 +31,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
+from slime_async.moe.routing import decode_sglang
 from slime_async.rollout.throttle import Throttled
 from slime_async.types.arrays import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE
 
@@ -54,6 +55,8 @@ class _Meta(msgspec.Struct):
     finish_reason: dict[str, Any] | None = None
     weight_version: str | int | None = None
     weight_versions: list[_Span] | None = None
+    routed_experts: str | None = None
+    """base64 int32 [positions, layers, top_k] when asked for (`slime_async.moe.routing`)."""
 
 
 class _Answer(msgspec.Struct):
@@ -88,6 +91,9 @@ class Generation:
     server: str
     resumed: int = 0
     """How many times the request was resumed after the server aborted it (weight updates)."""
+    routed_experts: np.ndarray | None = None
+    """With `routed_from`: int32 expert ids, flat, for the fed positions `routed_from` to the
+    last-but-one token of prompt + output (SGLang's `meta_info.routed_experts`); None if not asked."""
 
 
 @dataclass
@@ -185,34 +191,49 @@ class SGLangClient:
     # --- generation ---------------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int] | np.ndarray, sampling_params: dict[str, Any], *, episode: str | None = None
+        self, input_ids: list[int] | np.ndarray, sampling_params: dict[str, Any], *, episode: str | None = None,
+        routed_from: int | None = None,
     ) -> Generation:
-        """One model call. Raises ServerError when every retry on every server failed."""
+        """One model call. Raises ServerError when every retry on every server failed.
+
+        With `routed_from`, the server reports the experts it routed each fed position to, from that
+        position on (an MoE model's routing replay; `slime_async.moe.routing`)."""
         prompt = input_ids.tolist() if isinstance(input_ids, np.ndarray) else [int(t) for t in input_ids]
         budget = int(sampling_params.get("max_new_tokens", 128))
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        routes: list[np.ndarray] = []
         done = 0
         resumed = 0
+        start = routed_from
         while True:
             params = {**sampling_params, "max_new_tokens": budget - done}
-            answer, server = await self._generate_once(prompt, params, episode)
-            ids, lps, versions, finish = answer
+            answer, server = await self._generate_once(prompt, params, episode, start)
+            ids, lps, versions, finish, routed = answer
             parts.append((ids, lps, versions))
+            if start is not None:
+                if routed is None:
+                    raise BadResponse("no meta_info.routed_experts although asked for (SGLang needs "
+                                      "--enable-return-routed-experts)")
+                routes.append(routed)
             done += len(ids)
             # The server aborted it by itself (a weight update in abort mode): resume with the partial
             # output under the new weights, unless nothing is left to generate.
             if finish == "abort" and done < budget and resumed < self.max_resumes:
                 resumed += 1
                 self.stats.resumes += 1
+                if start is not None:  # the part's last token was never fed: its routing comes next
+                    start = len(prompt) + len(ids) - 1 if len(prompt) + len(ids) else 0
                 prompt = prompt + ids.tolist()
                 continue
             if len(parts) > 1:
                 ids, lps, versions = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
-            return Generation(ids, lps, versions, finish, server, resumed)
+            record = None if start is None else (routes[0] if len(routes) == 1 else np.concatenate(routes))
+            return Generation(ids, lps, versions, finish, server, resumed, record)
 
     async def _generate_once(
-        self, input_ids: list[int], sampling_params: dict[str, Any], episode: str | None
-    ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, str], str]:
+        self, input_ids: list[int], sampling_params: dict[str, Any], episode: str | None,
+        routed_from: int | None = None,
+    ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, str, np.ndarray | None], str]:
         assert self._session is not None, "call start() (or use `async with`) first"
         delay = self.backoff
         last_error = "no healthy server"
@@ -225,7 +246,7 @@ class SGLangClient:
                 tried.clear()
                 continue
             rid = f"{self._rid_prefix}{next(self._rid_count)}"
-            body = self._body(input_ids, sampling_params, rid)
+            body = self._body(input_ids, sampling_params, rid, routed_from)
             server.outstanding += 1
             start = time.monotonic()
             try:
@@ -275,14 +296,18 @@ class SGLangClient:
     VERSION = "/get_model_info"
     """GET: a JSON object whose `weight_version` is the engine's current version."""
 
-    def _body(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> bytes:
-        return _ENCODER.encode({"input_ids": input_ids, "sampling_params": sampling_params,
-                                "return_logprob": True, "rid": rid})
+    def _body(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
+              routed_from: int | None = None) -> bytes:
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True,
+                                "rid": rid}
+        if routed_from is not None:
+            body.update(return_routed_experts=True, routed_experts_start_len=routed_from)
+        return _ENCODER.encode(body)
 
     def _abort_body(self, rid: str) -> dict[str, Any]:
         return {"rid": rid}
 
-    def _parse(self, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    def _parse(self, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, str, np.ndarray | None]:
         try:
             data = _DECODER.decode(raw)
         except msgspec.ValidationError as exc:
@@ -304,7 +329,13 @@ class SGLangClient:
             if meta.weight_version is None:
                 raise BadResponse("malformed /generate response (no weight_version nor weight_versions)")
             spans = [_Span(meta.weight_version, 0, n)]
-        return ids, lps, self._versions(spans, n), finish
+        routed = None
+        if meta.routed_experts is not None:
+            try:
+                routed = decode_sglang(meta.routed_experts, width=1)[:, 0]
+            except ValueError as exc:
+                raise BadResponse(str(exc)) from None
+        return ids, lps, self._versions(spans, n), finish, routed
 
     def _versions(self, spans: list[Any], n: int) -> np.ndarray:
         """The version of each of `n` output tokens from the answer's spans (`version`, `start`, `end`)."""

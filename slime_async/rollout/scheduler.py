@@ -22,8 +22,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from slime_async.env import EnvFactory, Generation, Limits, Sampling, VerifierPool, apply_group_rewards
+from slime_async.moe.routing import SequenceRoutes
+from slime_async.moe.shape import MoeShape
 from slime_async.rollout.admission import StalenessBudget
-from slime_async.rollout.client import SGLangClient
+from slime_async.rollout.client import BadResponse, SGLangClient
 from slime_async.rollout.errors import ErrorBook
 from slime_async.rollout.filters import equal_rewards
 from slime_async.rollout.guard import Guard, Verdict
@@ -34,17 +36,26 @@ log = logging.getLogger(__name__)
 
 
 class HttpPolicy:
-    """The env API's `Policy` over the SGLang client; one per episode (sticky routing key)."""
+    """The env API's `Policy` over the SGLang client; one per episode (sticky routing key). With
+    `routes` (an MoE model's routing replay) each call also asks for the experts it routed to."""
 
-    def __init__(self, client: SGLangClient, episode: str) -> None:
+    def __init__(self, client: SGLangClient, episode: str, routes: SequenceRoutes | None = None) -> None:
         self.client = client
         self.episode = episode
+        self.routes = routes
 
     async def generate(self, input_ids: np.ndarray, sampling: Sampling) -> Generation:
-        gen = await self.client.generate(input_ids, sampling.to_sglang(), episode=self.episode)
+        start = None if self.routes is None else self.routes.start_len(input_ids)
+        gen = await self.client.generate(input_ids, sampling.to_sglang(), episode=self.episode, routed_from=start)
+        record = None
+        if self.routes is not None and start is not None and gen.routed_experts is not None:
+            try:
+                record = self.routes.add(input_ids, gen.output_ids, start, gen.routed_experts)
+            except ValueError as exc:
+                raise BadResponse(f"{gen.server}: {exc}") from None
         return Generation(completion_ids=gen.output_ids, logprobs=gen.logprobs, versions=gen.versions,
                           finish_reason=gen.finish_reason if gen.finish_reason in ("stop", "length", "abort")
-                          else "stop")
+                          else "stop", routed_experts=record)
 
 
 @dataclass
@@ -122,6 +133,7 @@ class Scheduler:
         guard: Guard | None = None,
         on_verdict: Callable[[Verdict], None] | None = None,
         group_filter: Callable[[list[Trajectory]], Any] | None = None,
+        replay: MoeShape | None = None,
     ) -> None:
         self.factory = factory
         self._tasks: Iterator[Task] = iter(tasks)
@@ -143,6 +155,8 @@ class Scheduler:
         self.on_verdict = on_verdict
         self.group_filter = group_filter
         """`rollout.group_filter`: True keeps a finished group, False or a reason drops it (`filtered`)."""
+        self.replay = replay
+        """An MoE model's shape when its routing is recorded for replay (`train.moe.routing_replay`)."""
         self._slots = asyncio.Semaphore(max_concurrency)
         self.stats = RolloutStats()
         self._stop = asyncio.Event()
@@ -241,11 +255,15 @@ class Scheduler:
         trajectories: list[Trajectory] = await asyncio.gather(*episodes)
         await self._finish_group(trajectories, factory)
 
+    def _routes(self) -> SequenceRoutes | None:
+        r = self.replay
+        return None if r is None else SequenceRoutes(r.route_width, r.num_experts)
+
     async def _run_one(self, factory: EnvFactory, task: Task, group_id: str, index: int) -> Trajectory:
         episode = f"{group_id}-{index}"
         try:
             return await factory.episode(
-                task, HttpPolicy(self.client, episode), self.tokenizer,
+                task, HttpPolicy(self.client, episode, self._routes()), self.tokenizer,
                 limits=self.limits, sampling=self.sampling, stop=self._stop, group_id=group_id,
                 sample_index=index, verifiers=self.verifiers,
             )

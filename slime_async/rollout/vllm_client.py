@@ -97,7 +97,10 @@ class VLLMClient(SGLangClient):
     ABORT = "/inference/v1/abort_requests"
     VERSION = "/weight_info"
 
-    def _body(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> bytes:
+    def _body(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
+              routed_from: int | None = None) -> bytes:
+        if routed_from is not None:  # the worker turns replay off for vLLM engines; never sent
+            raise ValueError("train.moe.routing_replay: vLLM does not report routed experts")
         return _ENCODER.encode({"token_ids": input_ids, "sampling_params": vllm_sampling(sampling_params),
                                 "request_id": rid, "output_mode": "tokens"})
 
@@ -106,7 +109,7 @@ class VLLMClient(SGLangClient):
         # (the bare id answers 200 and aborts nothing)
         return {"request_ids": [f"generate-tokens-{rid}"]}
 
-    def _parse(self, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    def _parse(self, raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, str, np.ndarray | None]:
         try:
             answer = _DECODER.decode(raw)
         except msgspec.ValidationError as exc:
@@ -135,7 +138,7 @@ class VLLMClient(SGLangClient):
         except OverflowError:
             raise BadResponse("token_ids: a token id outside int32") from None
         lps = np.fromiter((c.logprob for c in content), LOGPROB_DTYPE, n)
-        return ids, lps, self._versions(choice.weight_versions, n), finish
+        return ids, lps, self._versions(choice.weight_versions, n), finish, None
 
 
 def engine_client(kind: str, urls: list[str], **kwargs: Any) -> SGLangClient:

@@ -26,6 +26,7 @@ from slime_async.config import load_config
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.data import build_envs, build_tasks, close_shared_remote_rewards, load_state, save_state
 from slime_async.env import Sampling
+from slime_async.moe.shape import replay_shape
 from slime_async.rollout.filters import load_group_filter
 from slime_async.rollout.guard import Guard
 from slime_async.rollout.scheduler import Scheduler
@@ -101,7 +102,9 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
     envs = build_envs(cfg)
     state = load_state(data_state) if data_state and Path(data_state).exists() else None
     tasks = build_tasks(cfg, envs, state=state, shard=(worker, num_workers))
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.path)))
+    model_dir = resolve_model_path(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    replay = replay_shape(model_dir, cfg.train.moe.routing_replay, cfg.engine.kind)
     sampling = Sampling.from_config(r.sampling)
     # Each worker admits its share of the batch, so that the workers together keep the global bound.
     batch_share = max(1, r.batch_size // num_workers)
@@ -123,6 +126,7 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
             max_concurrency=max(1, r.max_concurrency // num_workers),
             filter_equal_rewards=r.filter_equal_rewards, sampling=sampling, accepted=accepted, recount=recount,
             guard=Guard.for_rollout(r.guard, batch_share, r.group_size), group_filter=load_group_filter(r),
+            replay=replay,
             # the launcher reads the verdict from the stats file and ends the run: written at once
             on_verdict=lambda verdict: write_stats(scheduler, stats_path, earlier),
         )

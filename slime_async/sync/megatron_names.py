@@ -1,4 +1,4 @@
-"""The HF <-> Megatron-core mapping of a Qwen2/Qwen3/Llama model's weights: names and layouts.
+"""The HF <-> Megatron-core mapping of a Qwen2/Qwen3/Llama/Qwen3-MoE model's weights: names and layouts.
 
 Pure functions of whole ("full") tensors; no megatron import, no process groups. A Megatron
 parameter's full tensor is the concatenation of its tensor-parallel shards along `Slot.partition_dim`
@@ -11,6 +11,14 @@ parameter's full tensor is the concatenation of its tensor-parallel shards along
 - embedding and output rows: the HF rows, then zero rows up to the padded vocabulary;
 - everything else: the HF tensor as it is.
 Layer numbers in Megatron names here are global (the model's `layer_number - 1`), not per stage.
+
+Mixture of experts (Megatron's `SequentialMLP`, one MLP per expert): the router
+`decoder.layers.N.mlp.router.weight` is HF's `model.layers.N.mlp.gate.weight` [experts, hidden];
+expert E's `decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight` is [gate; up] of HF's
+`model.layers.N.mlp.experts.E.{gate,up}_proj.weight` (the dense fc1 layout) and its `linear_fc2` is
+`down_proj`. E here is the global expert index: a rank of expert parallelism holds experts
+`ep_rank * local + i` as its `local_experts.i` (the weights module renames them; see
+`weights.global_names`). Experts are not split by tensor parallelism (the backend refuses it for MoE).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class Geometry:
     padded_vocab_size: int
     tensor_parallel: int
     tied_embeddings: bool
+    num_experts: int = 0
+    """Experts per layer of a MoE model (0: dense)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,12 @@ _LAYER: dict[str, tuple[tuple[str, ...], Kind, int | None]] = {
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "copy", 1),
 }
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MOE: dict[str, tuple[tuple[str, ...], Kind, int | None]] = {
+    "linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), "fc1", 0),
+    "linear_fc2.weight": (("down_proj.weight",), "copy", 1),
+}
+EXPERT_NAME = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+"""A Megatron expert parameter's name: (prefix, expert index, suffix)."""
 
 
 def slot(name: str, geo: Geometry) -> Slot:
@@ -72,6 +88,12 @@ def slot(name: str, geo: Geometry) -> Slot:
     if (m := _LAYER_NAME.match(name)) and m.group(2) in _LAYER:
         hf, kind, dim = _LAYER[m.group(2)]
         return Slot(tuple(f"model.layers.{m.group(1)}.{h}" for h in hf), kind, dim)
+    if m and geo.num_experts and m.group(2) == "mlp.router.weight":  # MoE names only in a MoE geometry
+        return Slot((f"model.layers.{m.group(1)}.mlp.gate.weight",), "copy", None)
+    expert = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$", m.group(2)) if m and geo.num_experts else None
+    if m and expert and expert.group(2) in _MOE:
+        hf, kind, dim = _MOE[expert.group(2)]
+        return Slot(tuple(f"model.layers.{m.group(1)}.mlp.experts.{expert.group(1)}.{h}" for h in hf), kind, dim)
     if name == "embedding.word_embeddings.weight":
         return Slot(("model.embed_tokens.weight",), "vocab", 0)
     if name == "output_layer.weight":  # with tied embeddings, the last stage's copy of the embedding

@@ -44,6 +44,9 @@ class Batch:
     min_versions: torch.Tensor
     """[N] int64: oldest weight version among each row's generated tokens (-1 if none)."""
     trajectory_ids: list[str] = field(default_factory=list)
+    routed_experts: torch.Tensor | None = None
+    """[N, T, layers x top_k] int16 for routing replay: the experts the engine chose for each token,
+    -1 where it reported none (the trainer routes that token itself). None: no replay."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -73,6 +76,7 @@ class Batch:
             group_index=self.group_index[start:stop],
             min_versions=self.min_versions[start:stop],
             trajectory_ids=self.trajectory_ids[start:stop],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[start:stop, :length],
         )
 
 
@@ -90,6 +94,9 @@ class BuildResult:
     unmasked: int = 0
     """Episodes that ran out of tokens and trained all the same, because every row of the batch had
     (`mask_truncated` leaves at least one row of a batch trainable; see `build_batch`)."""
+    unrouted: int = 0
+    """Rows trained without routing replay although it was asked for: their trajectory carried no
+    routed-experts record, or one of another width (another model's)."""
 
 
 def build_batch(
@@ -98,6 +105,7 @@ def build_batch(
     overlong: Literal["truncate", "skip"] = "truncate",
     vocab_size: int | None = None,
     mask_truncated: bool = False,
+    route_width: int | None = None,
 ) -> BuildResult:
     """Rows for `trajectories`; bad ones are skipped with a counted reason, never raised.
 
@@ -110,18 +118,21 @@ def build_batch(
     where it is, and the rollout's staleness bound then admits no new episode (the run stalls). Such a
     batch trains as without `mask_truncated`; in a group whose rewards are all equal the advantages
     are 0 anyway.
+    With `route_width` (layers x top_k of an MoE model with routing replay), rows carry the engine's
+    routed experts (`Batch.routed_experts`); rows without a record of that width are counted.
     """
     if max_seq_len < 2:
         raise ValueError(f"train.max_seq_len: must be at least 2, got {max_seq_len}")
     skipped: Counter[str] = Counter()
     truncated = 0
-    kept: list[tuple[Trajectory, np.ndarray, np.ndarray, np.ndarray]] = []
+    kept: list[tuple[Trajectory, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = []
     for traj in trajectories:
         if not np.isfinite(traj.reward):
             skipped["nan_reward"] += 1
             continue
         rows, reason, cut = [], None, False
-        for ids, logprobs, mask in traj.segments():
+        routes = segment_routes(traj, route_width) if route_width else [None] * len(traj.segments())
+        for (ids, logprobs, mask), route in zip(traj.segments(), routes, strict=True):
             mask = mask.astype(np.float32)
             if len(mask):
                 mask[0] = 0.0  # token 0 has no context to be predicted from
@@ -137,9 +148,10 @@ def build_batch(
                     reason = "overlong"
                     break
                 ids, logprobs, mask = ids[:max_seq_len], logprobs[:max_seq_len], mask[:max_seq_len]
+                route = None if route is None else route[:max_seq_len]
                 cut = True
             if (mask > 0).any():  # a segment with nothing to train on adds no row
-                rows.append((traj, ids, logprobs, mask))
+                rows.append((traj, ids, logprobs, mask, route))
         truncated += cut  # counted also when nothing of it is left to train (as `no_trainable_tokens`)
         if reason is None and not rows:
             reason = "no_trainable_tokens"
@@ -152,19 +164,27 @@ def build_batch(
     cut = len({t.id for t, *_ in kept if t.stop_reason in _OUT_OF_TOKENS}) if mask_truncated else 0
     masked, unmasked = (0, cut) if cut == len({t.id for t, *_ in kept}) else (cut, 0)
     if masked:
-        kept = [(t, ids, lp, np.zeros_like(m) if t.stop_reason in _OUT_OF_TOKENS else m) for t, ids, lp, m in kept]
+        kept = [(t, ids, lp, np.zeros_like(m) if t.stop_reason in _OUT_OF_TOKENS else m, r)
+                for t, ids, lp, m, r in kept]
     n, length = len(kept), max(len(k[1]) for k in kept)
     input_ids = torch.zeros(n, length, dtype=torch.int64)
     attention = torch.zeros(n, length, dtype=torch.int64)
     loss_mask = torch.zeros(n, length, dtype=torch.float32)
     behaviour = torch.zeros(n, length, dtype=torch.float32)
+    routed = torch.full((n, length, route_width), -1, dtype=torch.int16) if route_width else None
+    unrouted = 0
     groups: dict[str, int] = {}
-    for i, (traj, ids, logprobs, mask) in enumerate(kept):
+    for i, (traj, ids, logprobs, mask, route) in enumerate(kept):
         k = len(ids)
         input_ids[i, :k] = torch.from_numpy(ids.astype(np.int64))
         attention[i, :k] = 1
         loss_mask[i, :k] = torch.from_numpy(mask)
         behaviour[i, :k] = torch.from_numpy(np.where(mask > 0, logprobs, 0.0).astype(np.float32))
+        if routed is not None:
+            if route is None:
+                unrouted += 1
+            else:
+                routed[i, :k] = torch.from_numpy(route)
         groups.setdefault(traj.group_id, len(groups))
     return BuildResult(
         Batch(
@@ -177,9 +197,36 @@ def build_batch(
             min_versions=torch.tensor(
                 [v if (v := t.min_version()) is not None else -1 for t, *_ in kept], dtype=torch.int64),
             trajectory_ids=[t.id for t, *_ in kept],
+            routed_experts=routed,
         ),
         skipped,
         truncated,
         masked,
         unmasked,
+        unrouted,
     )
+
+
+def segment_routes(traj: Trajectory, width: int) -> list[np.ndarray | None]:
+    """Each segment's routed experts as int16 [tokens, width] (-1 where unreported), aligned with
+    `Trajectory.segments()`; None for a segment with no record of this width at all."""
+    out: list[np.ndarray | None] = []
+    parts: list[np.ndarray] = []
+    seen = False
+    for i, t in enumerate(traj.turns):
+        if t.new_branch and i > 0:
+            out.append(np.concatenate(parts) if seen else None)
+            parts, seen = [], False
+        tokens = len(t.prompt_ids) + len(t.completion_ids)
+        rec = t.routed_experts
+        if rec is not None and len(rec) == tokens * width:
+            rows = rec.reshape(tokens, width).astype(np.int16)
+            if rec.dtype == np.uint8:
+                rows[rec.reshape(tokens, width) == 255] = -1
+            parts.append(rows)
+            seen = True
+        else:
+            parts.append(np.full((tokens, width), -1, dtype=np.int16))
+    if traj.turns:
+        out.append(np.concatenate(parts) if seen else None)
+    return out

@@ -22,7 +22,7 @@ def build_backend(config: Config, model_path: str | Path | None = None) -> Train
     path = model_path if model_path is not None else resolve_model_path(config.model.path)
     common = dict(device=config.model.device, dtype=config.model.dtype, lr=tc.lr, betas=tc.adam_betas,
                   eps=tc.adam_eps, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
-                  micro_batch_size=tc.micro_batch_size, reference=tc.kl_coef > 0)
+                  micro_batch_size=tc.micro_batch_size, reference=tc.kl_coef > 0, moe=tc.moe)
     if tc.backend == "megatron":
         if tc.lr_warmup_steps:
             raise ValueError("train.lr_warmup_steps: the megatron backend has no learning-rate warm-up yet; use 0")

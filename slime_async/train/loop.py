@@ -297,7 +297,8 @@ class Trainer:
         count_failures(self.counters, trajectories)
         built = build_batch(trajectories, self.cfg.max_seq_len, self.cfg.overlong,
                             vocab_size=getattr(self.backend, "vocab_size", None),
-                            mask_truncated=self.cfg.mask_truncated)
+                            mask_truncated=self.cfg.mask_truncated,
+                            route_width=getattr(self.backend, "route_width", None))
         for reason, n in built.skipped.items():
             self.counters[f"skipped:{reason}"] += n
         self.counters["truncated"] += built.truncated
@@ -305,6 +306,8 @@ class Trainer:
             self.counters["masked_truncated"] += built.masked
         if built.unmasked:
             self.counters["unmasked_truncated"] += built.unmasked
+        if built.unrouted:  # MoE replay asked for, but these rows' engines reported no routing
+            self.counters["unrouted_rows"] += built.unrouted
         batch = built.batch
         if batch is None:
             self.counters["empty_batches"] += 1

@@ -259,13 +259,18 @@ def off_policy_metrics(
     - `behav_prox_kl_k1`, `behav_prox_kl_k3`: KL(behaviour || proximal) estimated on the behaviour's samples.
     - `max_abs_dp`: largest |p_prox - p_behav| of a token's probability.
     - `ess`: normalised effective sample size of the weights prox/behav, (sum w)^2 / (n sum w^2), in (0, 1].
+    - `behav_prox_abs_dlogp`: mean |log p_prox - log p_behav| (the trainer's and the engine's logprob of
+      the same token; MoE routing replay exists to shrink it).
+    - `behav_ratio_out`: share of tokens whose prox/behav leaves [0.8, 1.2] (what PPO's usual clip
+      would clip if the engine's logprobs were the anchor).
     - `tokens`: trained tokens counted.
     """
     m = mask.bool()
     n = int(m.sum())
     if n == 0:
         return {"tokens": 0.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0,
-                "ratio_std": 0.0, "behav_prox_kl_k1": 0.0, "behav_prox_kl_k3": 0.0, "max_abs_dp": 0.0, "ess": 1.0}
+                "ratio_std": 0.0, "behav_prox_kl_k1": 0.0, "behav_prox_kl_k3": 0.0, "max_abs_dp": 0.0, "ess": 1.0,
+                "behav_prox_abs_dlogp": 0.0, "behav_ratio_out": 0.0}
     ratio = torch.exp(logp.detach()[m] - prox[m]).double()
     lr = (prox[m] - behav[m]).double()  # log(prox / behav)
     w = torch.exp(lr)
@@ -280,4 +285,6 @@ def off_policy_metrics(
         "behav_prox_kl_k3": float((w - 1 - lr).mean()),
         "max_abs_dp": float((torch.exp(prox[m].double()) - torch.exp(behav[m].double())).abs().max()),
         "ess": float(w.sum() ** 2 / (n * (w**2).sum())),
+        "behav_prox_abs_dlogp": float(lr.abs().mean()),
+        "behav_ratio_out": float(((w < 0.8) | (w > 1.2)).double().mean()),
     }

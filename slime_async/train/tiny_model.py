@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-PresetName = Literal["tiny", "small", "100m", "0.5b"]
+PresetName = Literal["tiny", "tiny-moe", "small", "100m", "0.5b"]
 
 # Tokens the chat format needs as single ids. The first three are special (never produced by
 # decoding plain text); the tool and think markers are ordinary added tokens, as in Qwen2.5, so
@@ -48,11 +48,20 @@ class ModelSpec(msgspec.Struct, kw_only=True, frozen=True):
     checkpoints do (Qwen2 pads to 151,936), for benchmarks that need the real shapes."""
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = True
+    num_experts: int = 0
+    """Experts per layer; more than 0 makes a Qwen3-MoE model (every layer sparse, no shared expert)."""
+    experts_per_token: int = 2
+    """Top-k of the router (`num_experts_per_tok`)."""
+    expert_intermediate_size: int = 0
+    """Rows of each expert's gate/up projection (`moe_intermediate_size`)."""
 
 
 PRESETS: dict[str, ModelSpec] = {
     # ~3.4M parameters: learns the calculator task in minutes on 2 CPU cores.
     "tiny": ModelSpec(),
+    # ~7.5M parameters, Qwen3-MoE-shaped: 8 experts of 256, top-2 (the same active MLP width as tiny's
+    # 768 would be 3 experts; 2 x 256 keeps a token's compute near tiny's): the MoE paths end to end.
+    "tiny-moe": ModelSpec(num_experts=8, experts_per_token=2, expert_intermediate_size=256),
     "small": ModelSpec(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536),
     # ~100M parameters, Qwen2-like shapes: weight-update and throughput benchmarks on CPU.
     "100m": ModelSpec(
@@ -147,12 +156,21 @@ def build_tokenizer(bpe_vocab_size: int, seed: int):  # -> transformers.PreTrain
     return wrapped
 
 
-def _build_model(spec: ModelSpec, tokenizer, seed: int):  # -> transformers.Qwen2ForCausalLM
+def _build_model(spec: ModelSpec, tokenizer, seed: int):  # -> transformers.Qwen2ForCausalLM or Qwen3MoeForCausalLM
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     ids = tokenizer.convert_tokens_to_ids
-    config = Qwen2Config(
+    config_class, model_class, extra = Qwen2Config, Qwen2ForCausalLM, {}
+    if spec.num_experts:
+        config_class, model_class = Qwen3MoeConfig, Qwen3MoeForCausalLM
+        extra = dict(
+            num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+            moe_intermediate_size=spec.expert_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[], head_dim=spec.hidden_size // spec.num_heads, rms_norm_eps=1e-6,
+        )
+    config = config_class(
+        **extra,
         vocab_size=spec.vocab_size or len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -168,7 +186,7 @@ def _build_model(spec: ModelSpec, tokenizer, seed: int):  # -> transformers.Qwen
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_class(config)
     model.generation_config = GenerationConfig(
         eos_token_id=[ids("<|im_end|>"), ids("<|endoftext|>")],
         pad_token_id=ids("<|endoftext|>"),

@@ -21,9 +21,13 @@ from typing import Any, Literal
 import torch
 from transformers import AutoModelForCausalLM
 
+from slime_async.config.schema import MoeConfig
+from slime_async.moe.shape import moe_shape
+from slime_async.sync.hf_layout import checkpoint_views
 from slime_async.train.backend import Logprobs, LossFn, StepResult, metric_floats
 from slime_async.train.batch import Batch
 from slime_async.train.losses import entropy_from_logits
+from slime_async.train.moe_router import RouterControl, RouterStats
 
 OPTIMIZER_FILE = "optimizer.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -57,6 +61,7 @@ class TorchBackend:
         micro_batch_size: int = 16,
         reference: bool = False,
         warmup_steps: int = 0,
+        moe: MoeConfig | None = None,
     ) -> None:
         from transformers.utils import logging as hf_logging
 
@@ -75,6 +80,16 @@ class TorchBackend:
         self.model = model.to(self.device).train()
         # The frozen initial policy, only when a KL penalty needs it.
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if reference else None
+        # MoE: our routers (replay, losses) on the policy only; the reference routes itself
+        self.moe_shape = moe_shape(self.model.config)
+        self.routers = RouterControl(self.model, self.moe_shape) if self.moe_shape else None
+        moe = moe or MoeConfig()
+        self.aux_loss_coef = 0.0 if self.moe_shape is None else (
+            moe.aux_loss_coef if moe.aux_loss_coef is not None else self.moe_shape.router_aux_loss_coef)
+        self.z_loss_coef = moe.z_loss_coef
+        self.route_width = self.moe_shape.route_width if self.moe_shape and moe.routing_replay else None
+        """Ids per token of a routed-experts record the batches should carry (None: no replay)."""
+        self.router_stats = RouterStats(None, None, None, None)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
@@ -87,11 +102,19 @@ class TorchBackend:
 
     # --- forward --------------------------------------------------------------------------
 
-    def _forward(self, model: torch.nn.Module, mb: Batch, temperature: float, entropy: bool) -> Logprobs:
+    def _forward(self, model: torch.nn.Module, mb: Batch, temperature: float, entropy: bool,
+                 router_losses: bool = False) -> Logprobs:
         ids = mb.input_ids.to(self.device)
         attn = mb.attention_mask.to(self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+        if self.routers is not None and model is self.model:
+            replay = mb.routed_experts if self.route_width else None
+            self.routers.begin(None if replay is None else replay.to(self.device), attn if router_losses else None)
+        try:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+        finally:
+            if self.routers is not None and model is self.model:
+                self.router_stats = self.routers.end()
         if temperature != 1.0:
             logits = logits / temperature
         logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
@@ -133,14 +156,20 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         summed = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, Any] = {}
+        collect = self.routers is not None
         for rows, mb in self._micro_batches(batch):
-            out = self._forward(self.model, mb, temperature, entropy)
+            out = self._forward(self.model, mb, temperature, entropy, router_losses=collect)
             loss, mb_metrics = loss_fn(mb, rows, out)
+            if collect:
+                loss = loss + self._router_term(mb, batch, sums)
             loss.backward()
             summed += loss.detach()  # on the device: no host sync per micro-batch
             for k, v in mb_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
         total, metrics = float(summed), metric_floats(sums)
+        if "moe/replayed_recorded" in metrics:  # share of replayed (token, layer) routes that changed experts
+            differ, recorded = metrics.pop("moe/replayed_differ"), metrics.pop("moe/replayed_recorded")
+            metrics["moe/route_mismatch"] = differ / recorded if recorded else 0.0
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
@@ -157,6 +186,22 @@ class TorchBackend:
         self.optimizer.step()
         return StepResult(True, total, grad_norm, metrics)
 
+    def _router_term(self, mb: Batch, batch: Batch, sums: dict[str, Any]) -> torch.Tensor:
+        """This micro-batch's share of the router losses (weighted by its share of the batch's real
+        tokens, as the loss shares weigh the policy loss); their per-layer means go to `sums`."""
+        stats = self.router_stats
+        aux, z = stats.aux, stats.z
+        assert aux is not None and z is not None and self.moe_shape is not None
+        share = mb.num_tokens / max(batch.num_tokens, 1)
+        layers = self.moe_shape.num_layers
+        sums["moe/aux_loss"] = sums.get("moe/aux_loss", 0.0) + share * aux.detach() / layers
+        sums["moe/z_loss"] = sums.get("moe/z_loss", 0.0) + share * z.detach() / layers
+        if stats.differ is not None and stats.recorded is not None:
+            # summed, then divided once at the step's end (`train_step`)
+            sums["moe/replayed_differ"] = sums.get("moe/replayed_differ", 0) + stats.differ
+            sums["moe/replayed_recorded"] = sums.get("moe/replayed_recorded", 0) + stats.recorded
+        return share * (self.aux_loss_coef * aux + self.z_loss_coef * z)
+
     def optimizer_steps(self) -> int:
         """Optimizer steps taken (AdamW keeps the count per parameter; a loaded state keeps it too)."""
         for state in self.optimizer.state.values():
@@ -166,8 +211,9 @@ class TorchBackend:
     # --- weights and state ----------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self.model.named_parameters():
-            yield name, param.detach().to(self.export_dtype)
+        # checkpoint names: an MoE model's fused experts go out one expert at a time (`sync.hf_layout`)
+        for name, view in checkpoint_views(self.model).items():
+            yield name, view.to(self.export_dtype)
 
     def save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)

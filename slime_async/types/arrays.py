@@ -18,9 +18,11 @@ TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 VERSION_DTYPE = np.dtype("<i4")
 MASK_DTYPE = np.dtype("u1")
+ROUTE16_DTYPE = np.dtype("<i2")
+"""Routed-expert ids of models with 255 experts or more (`slime_async.moe.routing`; fewer use uint8)."""
 
 # msgpack extension codes, one per dtype. Codes are part of the wire format: never reuse one.
-_EXT_CODE_BY_DTYPE: dict[np.dtype, int] = {TOKEN_DTYPE: 1, LOGPROB_DTYPE: 2, MASK_DTYPE: 3}
+_EXT_CODE_BY_DTYPE: dict[np.dtype, int] = {TOKEN_DTYPE: 1, LOGPROB_DTYPE: 2, MASK_DTYPE: 3, ROUTE16_DTYPE: 4}
 _DTYPE_BY_EXT_CODE: dict[int, np.dtype] = {code: dt for dt, code in _EXT_CODE_BY_DTYPE.items()}
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from slime_async.types.arrays import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
+    ROUTE16_DTYPE,
     TOKEN_DTYPE,
     VERSION_DTYPE,
     as_array,
@@ -141,6 +142,10 @@ class Turn(msgspec.Struct, kw_only=True):
     """True when `prompt_ids` is the whole context rather than an extension of the previous
     turns: the chat template rewrote history (e.g. dropped earlier reasoning), so from this turn
     on the tokens form a new sequence."""
+    routed_experts: np.ndarray | None = None
+    """MoE models with routing replay: the experts the engine chose for each token of `prompt_ids`
+    then `completion_ids`, flat, (layers x top_k) ids per token (uint8, or int16 past 255 experts);
+    a token the engine never reported is all 255 (-1). None: not recorded. `slime_async.moe.routing`."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = as_array(self.prompt_ids, TOKEN_DTYPE, "prompt_ids")
@@ -152,12 +157,35 @@ class Turn(msgspec.Struct, kw_only=True):
         else:
             self.loss_mask = as_array(self.loss_mask, MASK_DTYPE, "loss_mask")
         n = len(self.completion_ids)
+        if self.routed_experts is not None:
+            routes = _route_array(self.routed_experts)
+            if routes.dtype not in (MASK_DTYPE, ROUTE16_DTYPE) or routes.ndim != 1:
+                raise ValueError(f"routed_experts: expected a flat uint8 or int16 array, got {routes.dtype} "
+                                 f"of shape {routes.shape}")
+            tokens = len(self.prompt_ids) + n
+            if tokens and len(routes) % tokens:
+                raise ValueError(f"routed_experts has {len(routes)} ids, not a whole number per token for "
+                                 f"{tokens} prompt and completion tokens")
+            self.routed_experts = routes
         for field in ("logprobs", "versions", "loss_mask"):
             if len(getattr(self, field)) != n:
                 raise ValueError(
                     f"{field} has {len(getattr(self, field))} entries but completion_ids has {n}: "
                     "every completion token needs exactly one"
                 )
+
+
+def _route_array(values: Any) -> np.ndarray:
+    """A routed-experts record as its wire dtype. Lists (a JSON file's) become uint8 when every value
+    fits (255 is then the unreported marker), else int16 (-1 the marker)."""
+    routes = np.asarray(values)
+    if routes.dtype in (MASK_DTYPE, ROUTE16_DTYPE) or routes.dtype.kind not in "iu" or not routes.size:
+        return routes.astype(MASK_DTYPE) if not routes.size else routes
+    if int(routes.min()) >= 0 and int(routes.max()) <= 255:
+        return routes.astype(MASK_DTYPE)
+    if int(routes.min()) >= -1 and int(routes.max()) < 2**15:
+        return routes.astype(ROUTE16_DTYPE)
+    return routes
 
 
 class Trajectory(msgspec.Struct, kw_only=True):

@@ -79,3 +79,15 @@ def test_a_file_that_is_not_a_store_is_one_clear_error(tmp_path: Path) -> None:
         TrajectoryStore(tmp_path / "elsewhere").count()
     with pytest.raises(StoreError, match="sort"):
         TrajectoryStore(tmp_path).page(sort="bogus")
+
+
+def test_routing_records_are_not_kept_for_viewing(tmp_path: Path, tok) -> None:
+    traj = trajectory(tok, "2+3", "g1", 0, 1.0, "The answer is 5.", 0)
+    t = traj.turns[0]
+    t.routed_experts = np.zeros((len(t.prompt_ids) + len(t.completion_ids)) * 8, np.uint8)
+    writer = TrajectoryWriter(tmp_path, tok)
+    writer.append(1, [traj], [1.0])
+    _, back, _ = TrajectoryStore(tmp_path).get(traj.id)
+    assert back.turns[0].routed_experts is None and np.array_equal(back.turns[0].completion_ids, t.completion_ids)
+    assert t.routed_experts is not None  # the trainer's own copy keeps its record
+    writer.close()

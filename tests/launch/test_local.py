@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -9,9 +10,25 @@ import pytest
 
 from slime_async.buffer import BufferClient
 from slime_async.config import load_config, to_yaml
-from slime_async.launch.local import LocalLauncher, PartFailed
+from slime_async.launch.local import LocalLauncher, PartFailed, compute_threads
 
 pytestmark = pytest.mark.slow
+
+
+def omp_threads(pid: int) -> str | None:
+    """A running process's OMP_NUM_THREADS, read from /proc."""
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(b"OMP_NUM_THREADS="):
+            return entry.split(b"=", 1)[1].decode()
+    return None
+
+
+def test_cores_are_shared_among_the_processes_that_compute() -> None:
+    cores = len(os.sched_getaffinity(0))
+    cfg = load_config(None, ["engine.num_engines=3"])
+    assert compute_threads(cfg, with_trainer=True) == max(1, cores // 4)
+    attached = load_config(None, ["engine.urls=[http://x:1]"])
+    assert compute_threads(attached, with_trainer=True) == cores  # the trainer alone computes here
 
 
 def test_rollout_side_streams_and_a_killed_worker_is_restarted(tmp_path: Path, varied_model_dir: Path) -> None:
@@ -28,6 +45,11 @@ def test_rollout_side_streams_and_a_killed_worker_is_restarted(tmp_path: Path, v
     trainer = BufferClient(launcher.buffer_endpoint)
     try:
         assert [p.name for p in launcher.parts] == ["buffer", "engine-0", "rollout-0"]
+        # the engine computes alone here (no trainer): every core; the rollout worker waits: one thread
+        if "OMP_NUM_THREADS" not in os.environ:
+            assert omp_threads(launcher.part("engine-0").child.proc.pid) == str(compute_threads(cfg, False))
+            assert compute_threads(cfg, False) == len(os.sched_getaffinity(0))
+            assert omp_threads(launcher.part("rollout-0").child.proc.pid) == "1"
         batch = trainer.get_batch(4, timeout=120)
         assert sum(len(g.trajectories) for g in batch.groups) >= 4
         worker = launcher.part("rollout-0")

@@ -181,6 +181,8 @@ def test_metrics_by_hand() -> None:
     assert m["behav_prox_kl_k3"] == pytest.approx((2 - 1 - ln(2.0)) / 2)
     assert m["max_abs_dp"] == pytest.approx(0.25)
     assert m["ess"] == pytest.approx((2 + 1) ** 2 / (2 * (4 + 1)))
+    assert m["behav_prox_abs_dlogp"] == pytest.approx(ln(2.0) / 2)
+    assert m["behav_ratio_out"] == 0.5  # prox/behav 2 and 1
     empty = off_policy_metrics(logp, prox, behav, torch.zeros(1, 3))
     assert empty["tokens"] == 0 and empty["ess"] == 1.0
     assert masked_mean(T([1.0, float("nan")]), T([1.0, 0.0])).item() == 1.0

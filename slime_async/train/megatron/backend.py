@@ -10,6 +10,13 @@ optimizer state.
 Precision: `float32` keeps everything in float32. `bfloat16` (GPU) is Megatron's mixed precision:
 bf16 parameters and compute, float32 gradients, master weights and Adam moments in the optimizer;
 weights are exported in bf16. Logprobs are float32 from the logits either way.
+
+Mixture of experts (Qwen3-MoE): experts split over `expert_parallel` data-parallel ranks; with
+`train.moe.routing_replay` and a batch that carries `routed_experts`, every forward (logprobs, the
+train step, recomputation) routes each token to the experts the engine chose, tokens without a
+record by the model itself (`moe_router.py`). The router losses (`train.moe`) are added to the step's
+loss, weighted by each micro-batch's share of the batch's real tokens, and logged as `moe/aux_loss`
+and `moe/z_loss` (means over layers).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from slime_async.config.schema import MegatronConfig
+from slime_async.config.schema import MegatronConfig, MoeConfig
 from slime_async.sync.megatron_names import Geometry
 from slime_async.train.backend import Logprobs, LossFn, StepResult, metric_floats
 from slime_async.train.batch import Batch
@@ -37,6 +44,7 @@ from slime_async.train.megatron.model import (
     te_available,
     transformer_config,
 )
+from slime_async.train.megatron.moe_router import QwenRouter, RouteFeed
 from slime_async.train.megatron.optimizer import MegatronOptimizer, StepOptimizer, TorchOptimizer
 from slime_async.train.megatron.parallel import init_parallel
 from slime_async.train.megatron.weights import HFWeights, export_hf, load_hf, mark_tensor_parallel, save_hf_dir
@@ -62,6 +70,7 @@ class MegatronBackend:
         micro_batch_size: int = 16,
         reference: bool = False,
         parallel: MegatronConfig | None = None,
+        moe: MoeConfig | None = None,
     ) -> None:
         from transformers import AutoConfig
 
@@ -82,7 +91,8 @@ class MegatronBackend:
         except (OSError, ValueError) as exc:
             raise ValueError(f"model.path: cannot read a transformers config from {model_path}: {exc}") from None
         self.shape = ModelShape.from_hf(hf_config, cfg.tensor_parallel, cfg.vocab_multiple)
-        self.shape.check_parallel(cfg.tensor_parallel, cfg.pipeline_parallel)
+        self.shape.check_parallel(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.expert_parallel)
+        self.moe = moe or MoeConfig()
         self.vocab_size = self.shape.vocab_size
         self.micro_batch_size = micro_batch_size
         self.params_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -90,17 +100,30 @@ class MegatronBackend:
         self.attention = self._attention(cfg.attention)
         self.fused_logprobs = cfg.fused_logprobs and self.on_gpu  # Inductor's CPU path would need a compiler
         with self._compat():
-            self.layout = init_parallel(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.data_parallel, self.device)
+            self.layout = init_parallel(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.data_parallel, self.device,
+                                        expert_parallel=cfg.expert_parallel)
             self.geometry = Geometry(
                 num_heads=self.shape.num_heads, num_kv_heads=self.shape.num_kv_heads, head_dim=self.shape.head_dim,
                 vocab_size=self.shape.vocab_size, padded_vocab_size=self.shape.padded_vocab_size,
-                tensor_parallel=self.layout.tp, tied_embeddings=self.shape.tied_embeddings)
+                tensor_parallel=self.layout.tp, tied_embeddings=self.shape.tied_embeddings,
+                num_experts=self.shape.moe.num_experts if self.shape.moe is not None else 0)
             self.config = transformer_config(
                 self.shape, tensor_parallel=self.layout.tp, pipeline_parallel=self.layout.pp,
-                dtype=self.params_dtype, on_gpu=self.on_gpu, recompute=cfg.recompute_activations)
+                dtype=self.params_dtype, on_gpu=self.on_gpu, recompute=cfg.recompute_activations,
+                expert_parallel=self.layout.ep)
+            self.routes: RouteFeed | None = None
+            self.route_width = self.shape.moe.route_width if self.shape.moe and self.moe.routing_replay else None
+            """Ids per token of a routed-experts record the batches should carry (None: no replay; the
+            training loop reads it)."""
+            if self.shape.moe is not None:
+                aux = self.moe.aux_loss_coef
+                self.routes = RouteFeed(self.shape.num_layers,
+                                        self.shape.moe.router_aux_loss_coef if aux is None else aux,
+                                        self.moe.z_loss_coef, self.device)
             weights = HFWeights(self.model_path)
-            module = self._build(weights)
-            self.reference = self._build(weights).eval().requires_grad_(False) if reference else None
+            module = self._build(weights, self.routes)
+            # the reference routes itself (no replay), as in the torch backend
+            self.reference = self._build(weights, None).eval().requires_grad_(False) if reference else None
             opt_args: dict[str, Any] = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip)
             self.optimizer: StepOptimizer
             if self.on_gpu:
@@ -127,11 +150,14 @@ class MegatronBackend:
             raise ValueError("train.megatron.attention: local (Megatron's unfused attention) needs a GPU; use sdpa")
         return asked  # type: ignore[return-value]
 
-    def _build(self, weights: HFWeights) -> torch.nn.Module:
+    def _build(self, weights: HFWeights, routes: RouteFeed | None) -> torch.nn.Module:
         model = build_gpt_model(self.shape, self.config, self.attention, pre_process=self.layout.first_stage,
                                 post_process=self.layout.last_stage, device=self.device)
         mark_tensor_parallel(model, self.geometry)
         load_hf(model, weights, self.geometry, self.layout)
+        for m in model.modules():
+            if isinstance(m, QwenRouter):
+                m.feed = routes
         return model
 
     @property
@@ -143,12 +169,21 @@ class MegatronBackend:
 
     def _my_micro_batches(self, batch: Batch) -> list[tuple[slice, Batch]]:
         """This data-parallel rank's micro-batches (every dp-th, round-robin), their per-token tensors
-        already on their way to the device."""
+        already on their way to the device. With expert parallelism every rank must run as many
+        forwards as the others (each MoE layer is an all-to-all among them): a rank short of one runs a
+        filler, an empty slice of rows with no real token, whose outputs are dropped."""
         out = []
+        count = math.ceil(len(batch) / self.micro_batch_size)
         for i, start in enumerate(range(0, len(batch), self.micro_batch_size)):
             if i % self.layout.dp == self.layout.dp_rank:
                 stop = min(start + self.micro_batch_size, len(batch))
                 out.append((slice(start, stop), self._on_device(batch.rows(start, stop))))
+        if self.layout.ep > 1:
+            filler = batch.rows(0, 1)
+            filler = dataclasses.replace(filler, attention_mask=torch.zeros_like(filler.attention_mask),
+                                         loss_mask=torch.zeros_like(filler.loss_mask))
+            while len(out) < math.ceil(count / self.layout.dp):
+                out.append((slice(0, 0), self._on_device(filler)))
         return out
 
     def _on_device(self, mb: Batch) -> Batch:
@@ -161,10 +196,20 @@ class MegatronBackend:
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.contiguous().pin_memory().to(self.device, non_blocking=True)
 
+        routes = mb.routed_experts
         return dataclasses.replace(mb, input_ids=move(mb.input_ids), attention_mask=move(mb.attention_mask),
-                                   loss_mask=move(mb.loss_mask), behaviour_logprobs=move(mb.behaviour_logprobs))
+                                   loss_mask=move(mb.loss_mask), behaviour_logprobs=move(mb.behaviour_logprobs),
+                                   routed_experts=None if routes is None else move(routes))
 
     def _run_model(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+        if self.routes is not None:  # what this forward's routers read
+            replay = mb.routed_experts if self.route_width else None
+            if replay is not None and replay.shape[-1] != self.route_width:
+                raise ValueError(f"batch.routed_experts: {replay.shape[-1]} ids per token, the model routes "
+                                 f"{self.route_width} (layers x top-k)")
+            # a tensor: reading it here would make the host wait for the GPU
+            share = mb.attention_mask.sum() / self._batch_tokens if self._batch_tokens else 0.0
+            self.routes.feed(replay, mb.attention_mask, share)
         ids = mb.input_ids.to(self.device)
         pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
         # no mask: attention is causal and rows are right-padded
@@ -202,6 +247,8 @@ class MegatronBackend:
             if self.layout.pp == 1:
                 for rows, mb in self._my_micro_batches(batch):
                     out = self._logprobs_of(self._run_model(model, mb), mb, temperature, entropy)
+                    if rows.start == rows.stop:  # a filler
+                        continue
                     k = mb.input_ids.shape[1]
                     logp[rows, :k] = out.logprobs
                     if ent is not None and out.entropy is not None:
@@ -225,29 +272,61 @@ class MegatronBackend:
 
     # --- training -------------------------------------------------------------------------
 
+    _batch_tokens = 0
+
     def train_step(self, batch: Batch, loss_fn: LossFn, temperature: float, entropy: bool = False) -> StepResult:
         with self._compat():
             self.optimizer.zero_grad()
-            total = torch.zeros((), dtype=torch.float64, device=self.device)
-            metrics: dict[str, Any] = {}
-            if self.layout.pp == 1:
-                for rows, mb in self._my_micro_batches(batch):
-                    out = self._logprobs_of(self._run_model(self.model, mb), mb, temperature, entropy)
-                    loss, mb_metrics = loss_fn(mb, rows, out)
-                    loss.backward()
-                    total += loss.detach()
-                    for k, v in mb_metrics.items():
-                        metrics[k] = metrics.get(k, 0.0) + v
-            else:
-                from slime_async.train.megatron.pipeline import pipeline_train
+            if self.routes is not None:
+                self.routes.begin_step()
+                self._batch_tokens = int(batch.attention_mask.sum())
+            try:
+                total = torch.zeros((), dtype=torch.float64, device=self.device)
+                metrics: dict[str, Any] = {}
+                if self.layout.pp == 1:
+                    for rows, mb in self._my_micro_batches(batch):
+                        out = self._logprobs_of(self._run_model(self.model, mb), mb, temperature, entropy)
+                        if rows.start == rows.stop:  # a filler: its backward joins the others' all-to-alls
+                            (out.logprobs.sum() * 0.0).backward()
+                            continue
+                        loss, mb_metrics = loss_fn(mb, rows, out)
+                        loss.backward()
+                        total += loss.detach()
+                        for k, v in mb_metrics.items():
+                            metrics[k] = metrics.get(k, 0.0) + v
+                else:
+                    from slime_async.train.megatron.pipeline import pipeline_train
 
-                total = pipeline_train(self, batch, loss_fn, temperature, entropy, metrics)
+                    total = pipeline_train(self, batch, loss_fn, temperature, entropy, metrics)
+                if self.routes is not None:
+                    replaying = self.route_width is not None and batch.routed_experts is not None
+                    total = total + self._router_losses(metrics, replaying)
+            finally:
+                if self.routes is not None:
+                    self.routes.end_step()
+                    self._batch_tokens = 0
             loss_value, metrics = self._sum_over_ranks(total, metric_floats(metrics))
+            if "moe/replayed_recorded" in metrics:  # share of replayed routes that changed experts
+                differ, recorded = metrics.pop("moe/replayed_differ"), metrics.pop("moe/replayed_recorded")
+                metrics["moe/route_mismatch"] = differ / recorded if recorded else 0.0
             applied, grad_norm = self.optimizer.step(math.isfinite(loss_value))
         if not applied:
             reason = "non-finite loss" if not math.isfinite(loss_value) else "non-finite grad norm"
             return StepResult(False, loss_value, grad_norm, metrics, reason=reason)
         return StepResult(True, loss_value, grad_norm, metrics)
+
+    def _router_losses(self, metrics: dict[str, Any], replaying: bool) -> torch.Tensor:
+        """This data-parallel rank's router loss term (added to the loss: its gradient is in already) and
+        metrics, summed over pipeline stages (each holds some of the layers)."""
+        assert self.routes is not None
+        sums = self.routes.sums.clone()
+        if self.layout.pp > 1:
+            dist.all_reduce(sums, group=self.layout.pp_group)
+        metrics["moe/aux_loss"] = sums[1]
+        metrics["moe/z_loss"] = sums[2]
+        if replaying:  # replayed routes: summed over ranks, divided at the end (`train_step`)
+            metrics["moe/replayed_differ"], metrics["moe/replayed_recorded"] = sums[3], sums[4]
+        return sums[0]
 
     def _sum_over_ranks(self, total: torch.Tensor, metrics: dict[str, float]) -> tuple[float, dict[str, float]]:
         """The batch's loss and metrics: summed over data-parallel ranks, from the last stage."""
@@ -275,8 +354,11 @@ class MegatronBackend:
         return export_hf(self.module, self.geometry, self.layout, self.export_dtype)
 
     def _layout_record(self) -> dict[str, int]:
-        return {"tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp,
-                "data_parallel": self.layout.dp}
+        record = {"tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp,
+                  "data_parallel": self.layout.dp}
+        if self.shape.moe is not None:  # each rank's optimizer state holds its own experts
+            record["expert_parallel"] = self.layout.ep
+        return record
 
     def save(self, path: Path) -> None:
         """A HF directory (written by rank 0; engines can load it), each rank's optimizer state, and the

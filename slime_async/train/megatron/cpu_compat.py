@@ -2,8 +2,13 @@
 
 megatron-core 0.16 asks `torch.cuda.current_device()` for the device of tensors it makes on the
 way (RoPE frequencies, layer weights); on a build of torch without CUDA that call raises. Inside
-`cpu_megatron()` it answers "cpu" instead. That is the only shim: the rest of what assumes CUDA
-is kept off the CPU path by design, not patched:
+`cpu_megatron()` it answers "cpu" instead. The MoE all-to-all token dispatcher copies its token
+counts to the host on a side CUDA stream (`torch.cuda.Stream`, `current_stream`, `stream`, an event
+it synchronises on); inside `cpu_megatron()` those are one host "stream" whose waits do nothing, as
+the counts are on the host already; and the dispatcher's "move to the host" helper, which turns
+the all-to-all split sizes into host arrays only when they are on a GPU, does so for CPU tensors too
+(gloo's all-to-all takes split sizes as a sequence, not a tensor). Those are the only shims: the
+rest of what assumes CUDA is kept off the CPU path by design, not patched:
 - attention is `sdpa_attention.SDPACoreAttention` (Megatron's unfused attention forks the CUDA RNG
   tracker and builds its causal mask on "cuda");
 - the optimizer is torch's AdamW with our own clipping (`optimizer.TorchOptimizer`): Megatron's
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 from unittest import mock
 
 import torch
@@ -30,9 +36,47 @@ def cpu_megatron(active: bool = True) -> Iterator[None]:
     if not active:
         yield
         return
-    with mock.patch.object(torch.cuda, "current_device", _cpu_device):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.cuda, "current_device", _cpu_device))
+        for name, value in (("Stream", _host_stream), ("current_stream", _host_stream),
+                            ("stream", _no_stream)):
+            stack.enter_context(mock.patch.object(torch.cuda, name, value))
+        from megatron.core.transformer.moe import token_dispatcher
+
+        stack.enter_context(mock.patch.object(token_dispatcher, "maybe_move_tensor_to_cpu", _to_host))
         yield
 
 
 def _cpu_device() -> str:
     return "cpu"
+
+
+class _HostStream:
+    """The one "stream" of a CPU: everything on it has already happened."""
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def record_event(self) -> _HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST = _HostStream()
+
+
+def _host_stream(*args: object, **kwargs: object) -> _HostStream:
+    return _HOST
+
+
+def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's `maybe_move_tensor_to_cpu` for tensors already on the host: numpy when asked."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _no_stream(stream: object) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()

@@ -1,4 +1,4 @@
-"""A megatron-core `GPTModel` shaped like a Hugging Face Qwen2, Qwen3 or Llama model.
+"""A megatron-core `GPTModel` shaped like a Hugging Face Qwen2, Qwen3, Llama or Qwen3-MoE model.
 
 `ModelShape.from_hf` reads the HF config and refuses what the Megatron model would not compute
 exactly (sliding windows, YaRN/dynamic RoPE, biases other than Qwen2's QKV bias, ...), naming the
@@ -7,6 +7,19 @@ with the config's base and scaling, grouped-query attention, Qwen2's QKV bias, Q
 tied or untied embeddings. RoPE's inverse frequencies are computed by transformers' own function
 for the config (default, linear or llama3 scaling) and set on Megatron's rotary embedding, so the
 two models rotate by the same angles whatever the scaling parameters.
+
+Qwen3-MoE (`qwen3_moe`; `slime_async.moe.shape.moe_shape` reads and refuses the expert fields):
+every layer's MLP is Megatron's `MoELayer` with our `moe_router.QwenRouter` (Qwen3's softmax top-k,
+per-token routing replay, our router losses; Megatron's own aux losses are off, see there), the
+all-to-all token dispatcher, no token dropping (no capacity factor), router logits in the hidden
+dtype then softmax in float32 (as HF), and
+experts split over `expert_model_parallel_size` ranks of the data-parallel group. Experts are
+`SequentialMLP`: one Megatron `MLP` per local expert (`mlp.experts.local_experts.i.linear_fc1/2`,
+fc1 = [gate; up] as in the dense MLP), a loop over the experts with tokens. Grouped GEMM is not used:
+Megatron's `TEGroupedMLP` needs Transformer Engine and its legacy `GroupedMLP` the `grouped_gemm`
+package, neither of which is installed here (CPU or the H200); on CPU there is no grouped kernel at
+all. Tensor parallelism with experts is refused: Megatron's MoE layer then needs sequence
+parallelism, which this backend does not run.
 """
 
 from __future__ import annotations
@@ -18,8 +31,10 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from slime_async.moe.shape import MoeShape, moe_shape
+
 AttentionKind = Literal["sdpa", "local", "te"]
-SUPPORTED = ("qwen2", "qwen3", "llama")
+SUPPORTED = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,8 @@ class ModelShape:
     rope_theta: float
     inv_freq: torch.Tensor = field(repr=False)
     """RoPE inverse frequencies [head_dim / 2], float32, as transformers computes them."""
+    moe: MoeShape | None = None
+    """The experts of a MoE model; None for a dense one."""
 
     @property
     def heads_per_group(self) -> int:
@@ -79,6 +96,9 @@ class ModelShape:
             raise bad("num_key_value_heads", f"{kv} does not divide num_attention_heads {heads}")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         theta, inv_freq = _rope(config, head_dim, bad)
+        moe = moe_shape(config)
+        if kind == "qwen3_moe" and moe is None:
+            raise bad("num_experts", "a qwen3_moe config without experts is not supported")
         multiple = vocab_multiple * tensor_parallel
         padded = math.ceil(config.vocab_size / multiple) * multiple
         if (padded - config.vocab_size) * tensor_parallel >= padded:
@@ -89,13 +109,24 @@ class ModelShape:
             num_heads=heads, num_kv_heads=kv, head_dim=head_dim, ffn_hidden_size=config.intermediate_size,
             vocab_size=config.vocab_size, padded_vocab_size=padded,
             rms_norm_eps=config.rms_norm_eps, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
-            max_position_embeddings=config.max_position_embeddings, rope_theta=theta, inv_freq=inv_freq,
+            qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe"),
+            max_position_embeddings=config.max_position_embeddings, rope_theta=theta, inv_freq=inv_freq, moe=moe,
         )
 
-    def check_parallel(self, tensor_parallel: int, pipeline_parallel: int) -> None:
+    def check_parallel(self, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1) -> None:
         """ValueError naming the config field when the sizes cannot split this model."""
-        tp, pp = tensor_parallel, pipeline_parallel
+        tp, pp, ep = tensor_parallel, pipeline_parallel, expert_parallel
+        if self.moe is None and ep > 1:
+            raise ValueError(f"train.megatron.expert_parallel: {ep} asks to split experts, but {self.model_type} is "
+                             f"a dense model; use 1")
+        if self.moe is not None:
+            if tp > 1:
+                raise ValueError(f"train.megatron.tensor_parallel: {tp} with a mixture-of-experts model needs "
+                                 f"sequence parallelism, which the megatron backend does not run; use 1 (and "
+                                 f"train.megatron.expert_parallel to split the experts)")
+            if self.moe.num_experts % ep:
+                raise ValueError(f"train.megatron.expert_parallel: {ep} does not divide the {self.moe.num_experts} "
+                                 f"experts")
         if self.num_heads % tp:
             raise ValueError(f"train.megatron.tensor_parallel: {tp} does not divide the {self.num_heads} "
                              f"attention heads")
@@ -139,14 +170,34 @@ def transformer_config(
     dtype: torch.dtype,
     on_gpu: bool,
     recompute: bool = False,
+    expert_parallel: int = 1,
 ) -> Any:  # -> megatron.core.transformer.TransformerConfig
     """Megatron's TransformerConfig for `shape`: no dropout, no biases but Qwen2's QKV bias, fusions
-    that need neither Apex nor Transformer Engine on GPU only."""
+    that need neither Apex nor Transformer Engine on GPU only; for MoE, the experts and router."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra: dict[str, Any] = {}
     if recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if shape.moe is not None:
+        extra.update(
+            num_moe_experts=shape.moe.num_experts,
+            moe_router_topk=shape.moe.top_k,
+            moe_ffn_hidden_size=shape.moe.expert_intermediate_size,
+            # Megatron's meaning: top-k of the softmax over all experts, unnormalised (pre) = Qwen's
+            # norm_topk_prob False; softmax over the k top logits = renormalised (norm_topk_prob True).
+            # QwenRouter computes the weights itself and reads this flag for the renormalisation.
+            moe_router_pre_softmax=not shape.moe.norm_topk_prob,
+            moe_router_score_function="softmax",
+            # moe_router_dtype stays unset: QwenRouter computes the logits in the hidden dtype, as HF does
+            moe_expert_capacity_factor=None,  # no token dropping
+            # the router losses are QwenRouter's (moe_router.py says why not Megatron's)
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_z_loss_coeff=None,
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=expert_parallel,
+        )
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -183,7 +234,9 @@ def transformer_config(
         calculate_per_token_loss=True,
         # micro-batches are trimmed to their longest row: pipeline stages exchange shapes first
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # dense models; the default "allgather" refuses the line above
+        # MoE: tokens travel to their experts' ranks by all-to-all; dense models: the default
+        # "allgather" refuses the line above
+        moe_token_dispatcher_type="alltoall",
         **extra,
     )
 
@@ -201,15 +254,23 @@ def layer_spec(shape: ModelShape, attention: AttentionKind) -> Any:  # -> Module
     (`sdpa`: our SDPA core attention; `local`: Megatron's unfused DotProductAttention)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    experts = shape.moe.num_experts if shape.moe is not None else None
     if attention == "te":
         if not te_available():
             raise ValueError("train.megatron.attention: te asks for Transformer Engine, which is not installed")
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                        normalization="RMSNorm", qk_layernorm=shape.qk_norm)
     if attention == "sdpa":
         from slime_async.train.megatron.sdpa_attention import SDPACoreAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if experts is not None:
+        from slime_async.train.megatron.moe_router import QwenRouter
+
+        spec.submodules.mlp.submodules.router = QwenRouter
     return spec
 
 

@@ -5,7 +5,8 @@
   (`get_megatron_optimizer`: fp32 master weights for bf16 models, the distributed optimizer that
   shards its state over data-parallel ranks when asked).
 - `TorchOptimizer` (CPU, CI): torch's AdamW on the parameters themselves, gradients summed over
-  data-parallel ranks by hand; Megatron's optimizers allocate on "cuda" (see `cpu_compat`).
+  data-parallel ranks by hand (an expert's over the ranks holding that expert, and its share of the
+  norm from every expert-parallel rank); Megatron's optimizers allocate on "cuda" (see `cpu_compat`).
 Both step the same way: gradients of the whole batch are summed (never averaged: the loss shares
 already weigh the batch), the global norm is taken over tensor- and pipeline-parallel ranks, a
 non-finite loss or norm skips the step leaving weights and optimizer state unchanged, and clipping
@@ -50,6 +51,8 @@ class TorchOptimizer:
         # QK-norm weights act on each rank's own heads: their gradients are partial sums over
         # tensor-parallel ranks (Megatron's finalize_model_grads sums them the same way)
         self.tp_summed = [p for n, p in model.named_parameters() if "q_layernorm" in n or "k_layernorm" in n]
+        # experts' weights differ across expert-parallel ranks (each holds its own experts)
+        self.experts = {id(p) for n, p in model.named_parameters() if ".mlp.experts." in n}
         self.layout = layout
         self.grad_clip = grad_clip
         # foreach=False: the same rounding as the torch backend's AdamW, step for step
@@ -68,15 +71,25 @@ class TorchOptimizer:
             for p in self.tp_summed:
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self.layout.tp_group)
-        if self.layout.dp > 1:
-            for g in grads:
-                dist.all_reduce(g, group=self.layout.dp_group)
+        expert_dp = self.layout.dp // self.layout.ep
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if id(p) not in self.experts:
+                if self.layout.dp > 1:
+                    dist.all_reduce(p.grad, group=self.layout.dp_group)
+            elif expert_dp > 1:
+                dist.all_reduce(p.grad, group=self.layout.expert_dp_group)
         squares = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+        expert_squares = torch.zeros((), dtype=torch.float32, device=self.layout.device)
         for p in self.params:
             if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-                squares += p.grad.detach().float().pow(2).sum()
+                (expert_squares if id(p) in self.experts else squares).add_(p.grad.detach().float().pow(2).sum())
         if self.layout.tp * self.layout.pp > 1:
             dist.all_reduce(squares, group=ps.get_model_parallel_group())
+        if self.experts and self.layout.ep * self.layout.tp * self.layout.pp > 1:
+            dist.all_reduce(expert_squares, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        squares += expert_squares
         norm = float(squares.sqrt())
         if not (loss_finite and math.isfinite(norm)):
             self.zero_grad()

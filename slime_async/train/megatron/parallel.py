@@ -4,6 +4,11 @@ Megatron keeps its parallel state in module globals; `init_parallel` sets it onc
 reuses it when asked again for the same sizes (several backends in one process, e.g. tests),
 refusing other sizes. A process started without a distributed environment makes a world of one
 on loopback (gloo on CPU, NCCL on GPU).
+
+Expert parallelism (MoE) splits each layer's experts over `expert_parallel` ranks of the
+data-parallel group (Megatron's `expert_model_parallel_size`): those ranks run different micro-batches
+through the same dense weights and send each token to the rank holding its expert. Expert weights are
+then reduced over the expert-data-parallel group (data-parallel size / expert_parallel ranks).
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ class Layout:
     tp_group: Any
     pp_group: Any
     dp_group: Any
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: Any = None
+    """The ranks that hold the other experts of this rank's layers (None for dense models)."""
+    expert_dp_group: Any = None
+    """The ranks holding the same experts, among which expert gradients are summed."""
 
     @property
     def first_stage(self) -> bool:
@@ -48,8 +59,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_parallel(tensor_parallel: int, pipeline_parallel: int, data_parallel: int | None, device: torch.device
-                  ) -> Layout:
+def init_parallel(tensor_parallel: int, pipeline_parallel: int, data_parallel: int | None, device: torch.device,
+                  expert_parallel: int = 1) -> Layout:
     """Initialise (or reuse) the process groups for these sizes; ValueError naming the field when the
     world does not match them."""
     from megatron.core import parallel_state as ps
@@ -72,14 +83,20 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, data_parallel: i
     if data_parallel is not None and data_parallel * model_parallel != world:
         raise ValueError(f"train.megatron.data_parallel: {data_parallel} x tensor_parallel x pipeline_parallel = "
                          f"{data_parallel * model_parallel}, but the world size is {world}")
+    dp = world // model_parallel
+    if dp % expert_parallel:
+        raise ValueError(f"train.megatron.expert_parallel: {expert_parallel} does not divide the data-parallel "
+                         f"size {dp} (experts are split over data-parallel ranks)")
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (tensor_parallel, pipeline_parallel):
-            raise ValueError(f"train.megatron: this process already runs tensor/pipeline parallel sizes {have}, "
-                             f"cannot also run {(tensor_parallel, pipeline_parallel)}")
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size())
+        if have != (tensor_parallel, pipeline_parallel, expert_parallel):
+            raise ValueError(f"train.megatron: this process already runs tensor/pipeline/expert parallel sizes "
+                             f"{have}, cannot also run {(tensor_parallel, pipeline_parallel, expert_parallel)}")
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                     pipeline_model_parallel_size=pipeline_parallel)
+                                     pipeline_model_parallel_size=pipeline_parallel,
+                                     expert_model_parallel_size=expert_parallel)
         if device.type == "cuda":
             # the per-rank RNG streams Megatron's layers expect to exist (nothing here draws from them:
             # no dropout, weights are loaded); the process's own CUDA RNG (run.seed) is left as it was
@@ -94,4 +111,6 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, data_parallel: i
         dp_rank=ps.get_data_parallel_rank(), rank=dist.get_rank(), device=device,
         tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
+        ep=expert_parallel, ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(), expert_dp_group=ps.get_expert_data_parallel_group(),
     )

@@ -50,6 +50,8 @@ def pipeline_logprobs(backend: MegatronBackend, model: torch.nn.Module, batch: B
         return zero, one, {"rows": rows, "logp": out.logprobs, "ent": out.entropy}
 
     for item in _run(backend, model, batch, post, forward_only=True):
+        if item["rows"].start == item["rows"].stop:  # a filler micro-batch (expert parallelism)
+            continue
         k = item["logp"].shape[1]
         logp[item["rows"], :k] = item["logp"]
         if ent is not None:
@@ -63,7 +65,11 @@ def pipeline_train(backend: MegatronBackend, batch: Batch, loss_fn: LossFn, temp
     one = torch.ones((), dtype=torch.int, device=backend.device)
 
     def post(rows: slice, mb: Batch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        loss, mb_metrics = loss_fn(mb, rows, backend._logprobs_of(logits, mb, temperature, entropy))
+        out = backend._logprobs_of(logits, mb, temperature, entropy)
+        if rows.start == rows.stop:  # a filler micro-batch (expert parallelism): no loss, a backward all the same
+            loss, mb_metrics = out.logprobs.sum() * 0.0, {}
+        else:
+            loss, mb_metrics = loss_fn(mb, rows, out)
         return loss, one, {"loss": loss.detach(), "metrics": mb_metrics}
 
     total = torch.zeros((), dtype=torch.float64, device=backend.device)

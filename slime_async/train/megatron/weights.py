@@ -4,7 +4,9 @@ Loading reads only the HF tensors this rank needs (safetensors, lazily), builds 
 full tensor with `sync.megatron_names` and copies this rank's tensor-parallel shard in place.
 Exporting is collective: every rank of the trainer iterates `export_hf` in lockstep; tensor-parallel
 shards are all-gathered, and each pipeline stage in turn broadcasts its tensors, so every rank sees
-the whole model in HF names (the publisher uses rank 0's).
+the whole model in HF names (the publisher uses rank 0's). With expert parallelism a rank loads only
+its own experts, and export all-gathers each expert weight over the expert-parallel group (every rank
+of it holds the same local index of different experts), so again every rank sees every expert.
 """
 
 from __future__ import annotations
@@ -55,15 +57,35 @@ class HFWeights:
 
 
 def global_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(name with global layer numbers, parameter) of this stage's model; empty placeholders (which some
-    Transformer Engine layers register for absent biases) are skipped."""
+    """(name with global layer and expert numbers, parameter) of this stage's model; empty placeholders
+    (which some Transformer Engine layers register for absent biases) are skipped."""
     local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    experts = {i: layer.mlp.local_expert_indices for i, layer in enumerate(model.decoder.layers)
+               if hasattr(layer.mlp, "local_expert_indices")}
     for name, param in model.named_parameters():
         if param.numel() == 0:
             continue
         if m := re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name):
-            name = f"decoder.layers.{local_to_global[int(m.group(1))]}.{m.group(2)}"
+            local, rest = int(m.group(1)), m.group(2)
+            if e := re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$", rest):
+                rest = f"mlp.experts.local_experts.{experts[local][int(e.group(1))]}.{e.group(2)}"
+            name = f"decoder.layers.{local_to_global[local]}.{rest}"
         yield name, param
+
+
+def is_expert(name: str) -> bool:
+    """Is this (global) Megatron parameter one expert's, held by one rank of the expert-parallel group?"""
+    return names.EXPERT_NAME.match(name) is not None
+
+
+def _expert_peers(name: str, geo: names.Geometry, layout: Layout) -> list[str]:
+    """The names of the experts that the expert-parallel ranks hold at `name`'s local index, in rank order."""
+    m = names.EXPERT_NAME.match(name)
+    assert m is not None
+    # rank r holds experts r * local ... (r + 1) * local - 1 (Megatron's MoELayer.local_expert_indices)
+    local = geo.num_experts // layout.ep
+    i = int(m.group(2)) - layout.ep_rank * local
+    return [f"{m.group(1)}{r * local + i}{m.group(3)}" for r in range(layout.ep)]
 
 
 def mark_tensor_parallel(model: torch.nn.Module, geo: names.Geometry) -> None:
@@ -113,17 +135,29 @@ def export_hf(model: torch.nn.Module, geo: names.Geometry, layout: Layout, dtype
         assert listing is not None
         for name, shape, param_dtype in listing:
             s = names.slot(name, geo)
+            full_shape = list(shape)
+            if s.partition_dim is not None:
+                full_shape[s.partition_dim] *= layout.tp
+            # an expert's weight: one per expert-parallel rank (all ranks of a pipeline group hold the same
+            # expert-parallel rank, so the names agree across stages)
+            peers = _expert_peers(name, geo, layout) if layout.ep > 1 and is_expert(name) else [name]
             if mine:
                 full = _gather_tp(params[name].detach(), s, layout)
+                fulls = _gather_ep(full, layout) if len(peers) > 1 else [full]
             else:
-                full_shape = list(shape)
-                if s.partition_dim is not None:
-                    full_shape[s.partition_dim] *= layout.tp
-                full = torch.empty(full_shape, dtype=param_dtype, device=layout.device)
-            if layout.pp > 1:
-                dist.broadcast(full, group_src=stage, group=layout.pp_group)
-            for hf_name, tensor in zip(s.hf_names, names.to_hf(s, full, geo), strict=True):
-                yield hf_name, tensor.to(dtype)
+                fulls = [torch.empty(full_shape, dtype=param_dtype, device=layout.device) for _ in peers]
+            for peer, full in zip(peers, fulls, strict=True):
+                if layout.pp > 1:
+                    dist.broadcast(full, group_src=stage, group=layout.pp_group)
+                ps = s if peer == name else names.slot(peer, geo)
+                for hf_name, tensor in zip(ps.hf_names, names.to_hf(ps, full, geo), strict=True):
+                    yield hf_name, tensor.to(dtype)
+
+
+def _gather_ep(local: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    parts = [torch.empty_like(local) for _ in range(layout.ep)]
+    dist.all_gather(parts, local.contiguous(), group=layout.ep_group)
+    return parts
 
 
 def _gather_tp(local: torch.Tensor, s: names.Slot, layout: Layout) -> torch.Tensor:

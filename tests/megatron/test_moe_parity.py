@@ -1,0 +1,302 @@
+"""The Megatron backend on a Qwen3-MoE model (CPU, fp32) against transformers and the torch backend.
+
+The tiny-moe preset with every weight made random (norms and router too: a swapped norm or a router
+that routes evenly would otherwise go unseen): logits and logprobs, the HF -> Megatron -> HF round
+trip, one train step, routing replay against transformers' forward with the same experts forced,
+the router losses against their definition on transformers' router logits, and expert parallelism
+over two gloo processes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from test_backend import hf_grads
+from trajectories import make_trajectories
+from transformers import AutoModelForCausalLM
+
+from slime_async.config.schema import MegatronConfig, MoeConfig, TrainConfig
+from slime_async.train.batch import Batch, build_batch
+from slime_async.train.megatron.backend import MegatronBackend
+from slime_async.train.objective import Objective
+from slime_async.train.tiny_model import cached_model_dir
+from slime_async.train.torch_backend import TorchBackend
+
+LAYERS, K, EXPERTS = 4, 2, 8
+NO_AUX = MoeConfig(aux_loss_coef=0.0, z_loss_coef=0.0)
+WORKER = Path(__file__).with_name("moe_parallel_worker.py")
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-moe-random")
+    model = AutoModelForCausalLM.from_pretrained(cached_model_dir("tiny-moe"))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            # norms around 1; routers sharp enough that top-k choices are clear-cut; the rest small
+            # enough that logits stay near those of a trained model (large ones only magnify rounding)
+            scale = 0.5 if name.endswith("mlp.gate.weight") else 0.05
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else scale * noise)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mega(moe_dir: Path) -> MegatronBackend:
+    return MegatronBackend(moe_dir, device="cpu", micro_batch_size=4, moe=NO_AUX)
+
+
+def batch_of(n: int = 6, seed: int = 0) -> Batch:
+    b = build_batch(make_trajectories(n, seed=seed, vocab=882), max_seq_len=64).batch
+    assert b is not None
+    return b
+
+
+def own_routes(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """[N, T, layers x k] the experts transformers' model picks for every token."""
+    with torch.no_grad():
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_router_logits=True)
+    ids = [torch.topk(torch.softmax(lg.float(), -1), K, dim=-1).indices for lg in out.router_logits]
+    n, t = batch.input_ids.shape
+    return torch.cat([i.reshape(n, t, K) for i in ids], dim=-1)
+
+
+def forced_logprobs(model: torch.nn.Module, batch: Batch, routes: torch.Tensor) -> torch.Tensor:
+    """transformers' forward with each token's experts taken from `routes` (-1: its own top-k), the
+    weights renormalised softmax probs at those experts, as the contract defines replay."""
+    n, t = batch.input_ids.shape
+    patches = []
+    for layer, block in enumerate(model.model.layers):
+        gate = block.mlp.gate
+        rec = routes[:, :, layer * K:(layer + 1) * K].reshape(n * t, K).long()
+
+        def forward(h: torch.Tensor, gate: torch.nn.Module = gate, rec: torch.Tensor = rec) -> tuple:
+            logits = F.linear(h.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = torch.softmax(logits.float(), dim=-1)
+            ids = torch.where((rec >= 0).all(-1, keepdim=True), rec, torch.topk(probs, K, dim=-1).indices)
+            w = probs.gather(1, ids)
+            return logits, (w / w.sum(-1, keepdim=True)).to(logits.dtype), ids
+
+        patches.append(mock.patch.object(gate, "forward", forward))
+    for p in patches:
+        p.start()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    finally:
+        for p in patches:
+            p.stop()
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros(n, 1), lp], dim=1) * batch.attention_mask
+
+
+def test_logprobs_equal_the_torch_backend_and_export_is_the_checkpoint(moe_dir: Path, mega: MegatronBackend
+                                                                        ) -> None:
+    batch = batch_of()
+    ref = TorchBackend(moe_dir, device="cpu", micro_batch_size=6)
+    got, want = mega.logprobs(batch, 0.7, entropy=True), ref.logprobs(batch, 0.7, entropy=True)
+    assert got.entropy is not None and want.entropy is not None
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.entropy, want.entropy, atol=1e-5, rtol=0)
+
+    with safe_open(moe_dir / "model.safetensors", framework="pt") as f:
+        ckpt = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    exported = list(mega.named_weights())
+    names = [n for n, _ in exported]
+    assert len(names) == len(set(names)) and set(names) == set(ckpt)
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in ckpt and "model.layers.0.mlp.gate.weight" in ckpt
+    for name, tensor in exported:
+        assert torch.equal(tensor, ckpt[name]), name
+
+
+def test_replay_routes_recorded_tokens_to_their_experts(moe_dir: Path, mega: MegatronBackend) -> None:
+    batch = batch_of()
+    hf = AutoModelForCausalLM.from_pretrained(moe_dir).eval()
+    own = own_routes(hf, batch)
+    forced = (own + 1) % EXPERTS  # other experts for every token and layer, still k distinct ones
+    forced[:, ::3] = -1  # every third position unreported: the model routes it itself
+    plain = mega.logprobs(batch, 1.0).logprobs
+    replayed = mega.logprobs(batch_with(batch, forced), 1.0).logprobs
+    own_replayed = mega.logprobs(batch_with(batch, own), 1.0).logprobs
+    real = batch.attention_mask.bool()
+    assert (replayed - plain)[real].abs().max() > 0.05  # the forced experts change the outputs
+    torch.testing.assert_close(replayed, forced_logprobs(hf, batch, forced), atol=1e-5, rtol=0)
+    torch.testing.assert_close(own_replayed, plain, atol=1e-5, rtol=0)  # replaying its own choice: no change
+    off = MegatronBackend(moe_dir, device="cpu", micro_batch_size=4, moe=MoeConfig(routing_replay=False))
+    torch.testing.assert_close(off.logprobs(batch_with(batch, forced), 1.0).logprobs, plain, atol=1e-5, rtol=0)
+
+
+def batch_with(batch: Batch, routes: torch.Tensor) -> Batch:
+    import dataclasses
+
+    return dataclasses.replace(batch, routed_experts=routes.to(torch.int16))
+
+
+@pytest.mark.parametrize("case", ["plain", "losses_and_replay"])
+def test_one_train_step_equals_the_torch_backends(case: str, moe_dir: Path) -> None:
+    """Loss, metrics, gradient norm and the weights after the step (micro-batches of 2 rows in both:
+    the router losses are per micro-batch). With router losses and a replayed record (other experts
+    than the model's own, some tokens unreported) their gradients and the replay's are compared too."""
+    batch = batch_of(6)
+    moe = NO_AUX
+    if case == "losses_and_replay":
+        moe = MoeConfig(aux_loss_coef=0.3, z_loss_coef=0.02)
+        forced = (own_routes(AutoModelForCausalLM.from_pretrained(moe_dir), batch) + 3) % EXPERTS
+        forced[:, 1::4] = -1
+        batch = batch_with(batch, forced)
+    obj = Objective(TrainConfig(loss="grpo", entropy_coef=0.01))
+    # a clip that bites; Adam's eps well above the rounding of the smallest gradients (at 1e-8 the first
+    # step's lr x g / (|g| + eps) turns a 1e-10 difference of a 1e-8 gradient into 1% of lr)
+    kw = dict(device="cpu", lr=1e-3, eps=1e-6, grad_clip=0.01, micro_batch_size=2, moe=moe)
+    results, weights = [], []
+    mega_be, torch_be = MegatronBackend(moe_dir, **kw), TorchBackend(moe_dir, **kw)  # type: ignore[arg-type]
+    for be in (mega_be, torch_be):
+        prep = obj.prepare(batch, be.logprobs(batch, 1.0).logprobs)
+        results.append(be.train_step(batch, obj.loss_fn(prep), 1.0, entropy=True))
+        weights.append(dict(be.named_weights()))
+    mega, ref = results
+    want_grads = checkpoint_grads(torch_be.model)
+    got_grads = hf_grads(mega_be)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert mega.applied and ref.applied
+    assert mega.loss == pytest.approx(ref.loss, rel=1e-5, abs=1e-7)
+    assert mega.grad_norm == pytest.approx(ref.grad_norm, rel=1e-5) and ref.grad_norm > 0.01
+    assert mega.metrics.keys() == ref.metrics.keys() and "moe/aux_loss" in ref.metrics
+    for k in ref.metrics:
+        assert mega.metrics[k] == pytest.approx(ref.metrics[k], rel=1e-4, abs=1e-6), k
+    if case == "losses_and_replay":
+        assert ref.metrics["moe/route_mismatch"] > 0.5
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[1]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], atol=1e-6, rtol=0, msg=name)
+
+
+def checkpoint_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """transformers' gradients under checkpoint names (its fused experts split one expert at a time)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if name.endswith("experts.gate_up_proj"):
+            for e, g in enumerate(p.grad):
+                gate, up = g.chunk(2)
+                out[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate
+                out[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up
+        elif name.endswith("experts.down_proj"):
+            out.update({f"{name[:-len('down_proj')]}{e}.down_proj.weight": g for e, g in enumerate(p.grad)})
+        else:
+            out[name] = p.grad
+    return out
+
+
+def router_losses(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux, z) per layer of one micro-batch over its real tokens, from transformers' router logits."""
+    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, output_router_logits=True)
+    real = mb.attention_mask.reshape(-1).bool()
+    aux, z = [], []
+    for lg in out.router_logits:
+        lg = lg.float()[real]
+        probs = torch.softmax(lg, -1)
+        counts = torch.bincount(torch.topk(probs, K, -1).indices.reshape(-1), minlength=EXPERTS).float()
+        aux.append(EXPERTS * (counts / (len(lg) * K) * probs.mean(0)).sum())
+        z.append(torch.logsumexp(lg, -1).square().mean())
+    return torch.stack(aux), torch.stack(z)
+
+
+def test_router_losses_are_logged_added_and_trained(moe_dir: Path) -> None:
+    """aux and z losses (micro-batches of 2 rows, weighted by real tokens) against their definition on
+    transformers' router logits (independently of the torch backend's): the loss adds coef x their sum
+    over layers, and the gradients are those of the same terms through transformers' model."""
+    batch = batch_of(6)
+    aux_coef, z_coef = 0.3, 0.02
+    hf = AutoModelForCausalLM.from_pretrained(moe_dir)
+    total = batch.attention_mask.sum()
+    want_aux = want_z = want_term = 0.0
+    for start in range(0, 6, 2):
+        mb = batch.rows(start, start + 2)
+        aux, z = router_losses(hf, mb)
+        share = mb.attention_mask.sum() / total
+        want_aux, want_z = want_aux + share * aux.detach().mean(), want_z + share * z.detach().mean()
+        want_term = want_term + share * (aux_coef * aux.sum() + z_coef * z.sum())
+    want_term.backward()  # type: ignore[union-attr]
+    want_term = want_term.detach()  # type: ignore[union-attr]
+
+    def zero_loss(mb: Batch, rows: slice, out: object) -> tuple[torch.Tensor, dict[str, float]]:
+        return out.logprobs.sum() * 0.0, {}  # type: ignore[attr-defined]
+
+    be = MegatronBackend(moe_dir, device="cpu", micro_batch_size=2, lr=0.0, grad_clip=0.0,
+                         moe=MoeConfig(aux_loss_coef=aux_coef, z_loss_coef=z_coef))
+    result = be.train_step(batch, zero_loss, 1.0)
+    assert result.applied
+    assert result.metrics["moe/aux_loss"] == pytest.approx(float(want_aux), rel=1e-5)
+    assert result.metrics["moe/z_loss"] == pytest.approx(float(want_z), rel=1e-5)
+    assert result.loss == pytest.approx(float(want_term), rel=1e-5)
+    assert float(want_aux) > 1.01  # not balanced: the aux loss has something to say
+    got, want = hf_grads(be), checkpoint_grads(hf)
+    for name in got:  # what the terms do not reach (the experts, the head) has none in transformers
+        ref = want.get(name, torch.zeros_like(got[name]))
+        # float32 rounding of sums of many terms, relative to the tensor's largest gradient
+        torch.testing.assert_close(got[name], ref, atol=1e-5 * max(float(ref.abs().max()), 0.1), rtol=1e-4,
+                                   msg=name)
+    assert want["model.layers.0.mlp.gate.weight"].abs().max() > 1e-3
+
+
+def test_parallel_sizes_that_cannot_split_the_experts_are_refused(moe_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"train\.megatron\.expert_parallel: 3 does not divide the 8 experts"):
+        MegatronBackend(moe_dir, device="cpu", parallel=MegatronConfig(expert_parallel=3))
+    with pytest.raises(ValueError, match=r"train\.megatron\.tensor_parallel"):
+        MegatronBackend(moe_dir, device="cpu", parallel=MegatronConfig(tensor_parallel=2))
+    with pytest.raises(ValueError, match=r"train\.megatron\.expert_parallel: 2 does not divide the data-parallel"):
+        MegatronBackend(moe_dir, device="cpu", parallel=MegatronConfig(expert_parallel=2))
+
+
+def test_two_expert_parallel_ranks_compute_what_one_process_computes(moe_dir: Path, mega: MegatronBackend,
+                                                                     tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.pt"
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(moe_dir), str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    got = torch.load(out, weights_only=False)
+    assert got["layout"] == (2, 2)  # data parallel 2, expert parallel 2: each rank holds 4 experts
+
+    from moe_parallel_worker import run_step
+
+    # Adam eps 1e-6: see test_one_train_step_equals_the_torch_backends
+    want = run_step(MegatronBackend(moe_dir, device="cpu", micro_batch_size=2, lr=1e-3, eps=1e-6, grad_clip=0.01,
+                                    moe=NO_AUX))
+    torch.testing.assert_close(got["logprobs"], want["logprobs"], atol=1e-5, rtol=0)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    assert got["before"].keys() == want["before"].keys() == got["after"].keys()
+    for name in want["before"]:
+        assert torch.equal(got["before"][name], want["before"][name]), name
+        torch.testing.assert_close(got["after"][name], want["after"][name], atol=1e-6, rtol=1e-5, msg=name)
