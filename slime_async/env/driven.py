@@ -35,6 +35,7 @@ from slime_async.env.episode import _Episode, _Stop, _stop_waiter
 from slime_async.env.parsers import ParsedReply
 from slime_async.env.policy import Generation, Sampling
 from slime_async.env.renderer import Renderer
+from slime_async.moe.routing import record_turns
 from slime_async.types import Message, StopReason, Turn
 from slime_async.types.arrays import TOKEN_DTYPE
 
@@ -223,6 +224,8 @@ class DrivenEpisode(_Episode):
                 completion_ids=ids, logprobs=gen.logprobs, versions=gen.versions,
                 finish_reason=gen.finish_reason, new_branch=branch if i == 0 else True,
             ))  # fmt: skip
+            if gen.routed_experts is not None:  # an MoE model's routing replay
+                record_turns(self.turns, gen.routed_experts)
             self.counts["turns"] += 1
             self.counts["completion_tokens"] += len(ids)
             self.counts["new_branches"] += i > 0

@@ -29,7 +29,7 @@ from slime_async.env.renderer import Renderer
 from slime_async.env.rewards import RewardSpec
 from slime_async.env.tools import ToolArgumentError, ToolError
 from slime_async.env.verify import VerifierPool
-from slime_async.moe.routing import turn_records
+from slime_async.moe.routing import record_turns
 from slime_async.types import Message, StopReason, Task, ToolCall, Trajectory, Turn
 from slime_async.types.arrays import TOKEN_DTYPE
 
@@ -219,7 +219,7 @@ class _Episode:
         )  # fmt: skip
         self.turns.append(turn)
         if gen.routed_experts is not None:
-            self._record_routes(gen.routed_experts)
+            record_turns(self.turns, gen.routed_experts)
         self.counts["turns"] += 1
         self.counts["completion_tokens"] += len(completion)
         if gen.finish_reason == "abort":
@@ -258,17 +258,6 @@ class _Episode:
         if self.env.done:
             raise _Stop(StopReason.DONE)
         return new_messages
-
-    def _record_routes(self, rows: np.ndarray) -> None:
-        """Split the policy's routing record of the sequence (from its latest new branch) over that
-        sequence's turns; each call re-covers the turns before it (their last token is reported late)."""
-        first = max((i for i, t in enumerate(self.turns) if t.new_branch), default=0)
-        segment = self.turns[first:]
-        lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in segment]
-        if len(rows) != sum(lengths) - 1:  # the record is of another sequence than the turns': no replay
-            return
-        for turn, record in zip(segment, turn_records(lengths, rows), strict=True):
-            turn.routed_experts = record
 
     async def _generate(self, sampling: Sampling) -> Generation:
         assert self.renderer is not None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from typing import Any
 
 import numpy as np
 
@@ -89,6 +90,21 @@ class SequenceRoutes:
         self._rows = np.concatenate([self._rows[:start], rows])
         self._tokens = np.concatenate([np.asarray(input_ids, np.int64), np.asarray(output_ids, np.int64)])
         return self._rows
+
+
+def record_turns(turns: list[Any], rows: np.ndarray) -> bool:
+    """Split a policy's routing record of the current sequence (from the latest turn that starts a new
+    branch, to the last-but-one token) over that sequence's turns (`Turn.routed_experts`); each call
+    re-covers the turns before it, whose last token is reported late. False (nothing set) when the
+    record is not of these turns' tokens."""
+    first = max((i for i, t in enumerate(turns) if t.new_branch), default=0)
+    segment = turns[first:]
+    lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in segment]
+    if len(rows) != sum(lengths) - 1:
+        return False
+    for turn, record in zip(segment, turn_records(lengths, rows), strict=True):
+        turn.routed_experts = record
+    return True
 
 
 def turn_records(lengths: list[int], rows: np.ndarray) -> list[np.ndarray]:
