@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from slime_async.config.loader import ConfigError
+from slime_async.moe.shape import is_moe, moe_shape
 
 TINY = "tiny"
 PRESET_PATHS = ("tiny", "tiny-moe")
@@ -35,6 +38,7 @@ def check_model_dir(path: str | Path, field: str = "model.path") -> Path:
         )
     if not (p / "config.json").is_file():
         raise ConfigError(f"{field}: {p} has no config.json, so it is not a Hugging Face model directory")
+    check_experts(p, field)
     tokenizer = load_tokenizer(p, field)
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
@@ -42,6 +46,20 @@ def check_model_dir(path: str | Path, field: str = "model.path") -> Path:
             "renders tools (Qwen/Hermes <tool_call> style), or use a chat model's directory"
         )
     return p
+
+
+def check_experts(path: Path, field: str = "model.path") -> None:
+    """A mixture-of-experts config every part can run (`slime_async.moe.shape`), or a ConfigError naming
+    the config field that asks for more, before any part starts on it."""
+    config = json.loads((path / "config.json").read_text())
+    if not is_moe(SimpleNamespace(**config)):
+        return
+    from transformers import AutoConfig
+
+    try:
+        moe_shape(AutoConfig.from_pretrained(str(path)), field)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_tokenizer(path: str | Path, field: str = "model.path") -> Any:
