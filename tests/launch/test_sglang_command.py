@@ -125,3 +125,14 @@ def test_router_command() -> None:
     argv = router_argv(cfg, ["http://a:1", "http://b:2"], "127.0.0.1", 8000)
     assert argv[1:] == ["launch", "--worker-urls", "http://a:1", "http://b:2", "--host", "127.0.0.1", "--port",
                         "8000", "--policy", "round_robin", "--health-check-interval-secs", "1", "--disable-retries"]
+
+
+@pytest.mark.parametrize(("which", "replay", "expected"), [
+    ("tiny_moe_dir", "true", True), ("tiny_moe_dir", "false", False), ("tiny_model_dir", "true", False)])
+def test_an_moe_model_with_routing_replay_gets_sglangs_routed_experts_switch(
+        which: str, replay: str, expected: bool, request: pytest.FixtureRequest, parser: argparse.ArgumentParser
+) -> None:
+    cfg = load_config(None, ["engine.kind=sglang", f"train.moe.routing_replay={replay}"])
+    argv = sglang_argv(cfg, model_path=str(request.getfixturevalue(which)), host="h", port=1, index=0,
+                       weight_version="0", python="python")
+    assert parser.parse_args(argv[3:]).enable_return_routed_experts is expected
