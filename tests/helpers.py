@@ -53,3 +53,25 @@ async def wait_for_tokens(url: str, running: int = 1, timeout: float = 30) -> No
                 return
             await asyncio.sleep(0.02)
     pytest.fail("the engine never started decoding")
+
+
+def routing_agreement(model_dir: Any, batch: Any, layers: int, top_k: int) -> float:
+    """Share of the batch's recorded positions where transformers' own routers (hooked, one forward over
+    the whole rows) chose the same experts as the record (`Batch.routed_experts`; order within a layer's
+    k ignored)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[2])) for m in hf.modules()
+             if isinstance(m, Qwen3MoeTopKRouter)]
+    with torch.no_grad():
+        hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    for h in hooks:
+        h.remove()
+    n, t = batch.input_ids.shape
+    own = torch.cat([s.reshape(n, t, top_k).sort(-1).values for s in seen], dim=-1)
+    record = batch.routed_experts.long().reshape(n, t, layers, top_k).sort(-1).values.reshape(n, t, -1)
+    fed = batch.routed_experts[..., 0] >= 0
+    return float((own == record).all(-1)[fed].float().mean())

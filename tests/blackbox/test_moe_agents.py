@@ -7,9 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+from helpers import routing_agreement
+from transformers import AutoConfig, AutoTokenizer
 
 from slime_async.agents import AgentEnv, close_shared_server
 from slime_async.env import run_episode
@@ -46,19 +45,7 @@ async def test_agent_calls_carry_records_that_line_up_with_the_trainers_routing(
     built = build_batch([traj], max_seq_len=1024, route_width=shape.route_width)
     batch = built.batch
     assert batch is not None and batch.routed_experts is not None and built.unrouted == 0 and len(batch) >= 2
-    n, t = batch.input_ids.shape
     for row, length in enumerate(batch.attention_mask.sum(1).tolist()):
         known, unknown = batch.routed_experts[row, : length - 1], batch.routed_experts[row, length - 1:]
         assert (known >= 0).all() and (unknown == -1).all()
-    hf = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
-    seen: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[2])) for m in hf.modules()
-             if isinstance(m, Qwen3MoeTopKRouter)]
-    with torch.no_grad():
-        hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-    for h in hooks:
-        h.remove()
-    own = torch.cat([s.reshape(n, t, shape.top_k).sort(-1).values for s in seen], dim=-1)
-    record = batch.routed_experts.long().reshape(n, t, shape.num_layers, shape.top_k).sort(-1).values.reshape(n, t, -1)
-    fed = batch.routed_experts[..., 0] >= 0
-    assert (own == record).all(-1)[fed].float().mean() > 0.99
+    assert routing_agreement(tiny_moe_dir, batch, shape.num_layers, shape.top_k) > 0.99

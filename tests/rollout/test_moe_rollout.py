@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+from helpers import routing_agreement
+from transformers import AutoConfig, AutoTokenizer
 
 from slime_async.env import EnvFactory, Limits, Sampling
 from slime_async.launch.process import EngineProcess, start_engine
@@ -58,19 +57,7 @@ async def test_multi_turn_records_line_up_with_the_trainers_own_routing(engine: 
 
     # the trainer's own routing of the whole sequences (transformers' routers, hooked) is the engine's
     # record: same weights, fp32; only near-ties could flip an expert
-    hf = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
-    seen: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out[2])) for m in hf.modules()
-             if isinstance(m, Qwen3MoeTopKRouter)]
-    with torch.no_grad():
-        hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-    for h in hooks:
-        h.remove()
-    n, t = batch.input_ids.shape
-    own = torch.cat([s.reshape(n, t, shape.top_k).sort(-1).values for s in seen], dim=-1)
-    record = batch.routed_experts.long().reshape(n, t, shape.num_layers, shape.top_k).sort(-1).values.reshape(n, t, -1)
-    fed = batch.routed_experts[..., 0] >= 0
-    agree = (own == record).all(-1)[fed].float().mean()
+    agree = routing_agreement(tiny_moe_dir, batch, shape.num_layers, shape.top_k)
     assert agree > 0.99, f"only {agree:.1%} of positions routed alike: the record is misaligned"
 
     # replayed, the trainer's logprobs are the engine's
