@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import perturbed
+from helpers import perturbed_copy
 from transformers import AutoModelForCausalLM
 
 
@@ -40,12 +39,7 @@ def tiny_moe_dir(cache_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def varied_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with weights whose greedy continuations vary from token to token."""
-    out = tmp_path_factory.mktemp("varied")
-    for f in tiny_model_dir.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, out / f.name)
-    perturbed(AutoModelForCausalLM.from_pretrained(tiny_model_dir), seed=0).save_pretrained(out)
-    return out
+    return perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("varied"), seed=0)
 
 
 @pytest.fixture(scope="session")

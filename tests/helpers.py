@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,6 +25,33 @@ def perturbed(model: torch.nn.Module, seed: int, std: float = 0.15) -> torch.nn.
             if param.dim() >= 2:
                 param.copy_(torch.randn(param.shape, generator=g) * std)
     return model
+
+
+def perturbed_copy(src: Path, out: Path, seed: int) -> Path:
+    """`src`'s model directory (tokenizer, config) in `out`, with `perturbed` weights."""
+    from transformers import AutoModelForCausalLM
+
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    perturbed(AutoModelForCausalLM.from_pretrained(src), seed=seed).save_pretrained(out)
+    return out
+
+
+def wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
+    """Each process's output once all have ended (the rest killed when one times out); asserts they
+    all exited 0, showing the logs' tails when not."""
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return logs
 
 
 async def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:

@@ -14,7 +14,7 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
-from helpers import perturbed, post, wait_for_tokens
+from helpers import perturbed_copy, post, wait_for_tokens
 from sglang_source import class_defaults
 from transformers import AutoModelForCausalLM
 
@@ -31,13 +31,7 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny-moe preset with seeded noise for weights: routing varies from token to token."""
     from slime_async.train.tiny_model import cached_model_dir
 
-    base = cached_model_dir("tiny-moe", seed=0)
-    out = tmp_path_factory.mktemp("moe")
-    for f in base.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, out / f.name)
-    perturbed(AutoModelForCausalLM.from_pretrained(base), seed=1).save_pretrained(out)
-    return out
+    return perturbed_copy(cached_model_dir("tiny-moe", seed=0), tmp_path_factory.mktemp("moe"), seed=1)
 
 
 @pytest.fixture(scope="module")

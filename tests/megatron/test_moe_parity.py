@@ -19,6 +19,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import wait_all
 from safetensors import safe_open
 from test_backend import hf_grads
 from trajectories import make_trajectories
@@ -275,16 +276,7 @@ def test_two_expert_parallel_ranks_compute_what_one_process_computes(moe_dir: Pa
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(moe_dir), str(out)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    wait_all(procs, 240)
     got = torch.load(out, weights_only=False)
     assert got["layout"] == (2, 2)  # data parallel 2, expert parallel 2: each rank holds 4 experts
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import wait_all
 from trajectories import make_trajectories
 from transformers import AutoModelForCausalLM
 
@@ -39,16 +40,7 @@ def run_world(model_dir: Path, out: Path, tp: int, world: int = 2, timeout: floa
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(model_dir), str(out), str(tp)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    wait_all(procs, timeout)
     return torch.load(out, weights_only=False)
 
 
