@@ -320,9 +320,9 @@ class MegatronConfig(_Section):
     """Data-parallel size; None: world size / (tensor_parallel x pipeline_parallel). Rows of a batch
     are spread over data-parallel ranks; gradients are summed across them."""
     expert_parallel: PositiveInt = 1
-    """Expert-parallel size for MoE models: the experts of each layer are split over this many ranks
-    of the data-parallel group (tokens travel to their experts by all-to-all). Must divide the number
-    of experts and the data-parallel size."""
+    """Expert-parallel size for MoE models: the experts of each layer are split over this many of the
+    tensor x data-parallel ranks (tokens travel to their experts by all-to-all; experts are never split
+    by tensor parallelism). Must divide the number of experts and tensor_parallel x data-parallel size."""
     distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer; GPU only)."""
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"

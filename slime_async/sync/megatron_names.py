@@ -18,7 +18,8 @@ expert E's `decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight` is [
 `model.layers.N.mlp.experts.E.{gate,up}_proj.weight` (the dense fc1 layout) and its `linear_fc2` is
 `down_proj`. E here is the global expert index: a rank of expert parallelism holds experts
 `ep_rank * local + i` as its `local_experts.i` (the weights module renames them; see
-`weights.global_names`). Experts are not split by tensor parallelism (the backend refuses it for MoE).
+`weights.global_names`). Experts are never split by tensor parallelism (the backend runs Megatron's
+expert tensor parallel size 1), so their fc1 is [gate; up] whole (`gate_up`) whatever the size.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Literal
 
 import torch
 
-Kind = Literal["copy", "qkv", "fc1", "vocab"]
+Kind = Literal["copy", "qkv", "fc1", "gate_up", "vocab"]
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,8 @@ _LAYER: dict[str, tuple[tuple[str, ...], Kind, int | None]] = {
 }
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MOE: dict[str, tuple[tuple[str, ...], Kind, int | None]] = {
-    "linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), "fc1", 0),
-    "linear_fc2.weight": (("down_proj.weight",), "copy", 1),
+    "linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), "gate_up", None),
+    "linear_fc2.weight": (("down_proj.weight",), "copy", None),
 }
 EXPERT_NAME = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 """A Megatron expert parameter's name: (prefix, expert index, suffix)."""
@@ -122,9 +123,9 @@ def to_megatron(s: Slot, hf: list[torch.Tensor], geo: Geometry) -> torch.Tensor:
         tail = q.shape[1:]  # (hidden,) for weights, () for biases
         per_group = [q.reshape(g, (geo.num_heads // g) * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)]
         return torch.cat(per_group, dim=1).reshape(-1, *tail)
-    if s.kind == "fc1":
+    if s.kind in ("fc1", "gate_up"):
         gate, up = hf
-        tp = geo.tensor_parallel
+        tp = geo.tensor_parallel if s.kind == "fc1" else 1
         return torch.cat([t for r in zip(gate.chunk(tp), up.chunk(tp), strict=True) for t in r])
     raise ValueError(s.kind)
 
@@ -141,8 +142,8 @@ def to_hf(s: Slot, full: torch.Tensor, geo: Geometry) -> list[torch.Tensor]:
         tail = full.shape[1:]
         q, k, v = full.reshape(g, hq + 2 * d, *tail).split([hq, d, d], dim=1)
         return [t.reshape(-1, *tail) for t in (q, k, v)]
-    if s.kind == "fc1":
-        halves = [c.chunk(2) for c in full.chunk(geo.tensor_parallel)]
+    if s.kind in ("fc1", "gate_up"):
+        halves = [c.chunk(2) for c in full.chunk(geo.tensor_parallel if s.kind == "fc1" else 1)]
         if len(halves) == 1:  # no tensor parallelism: gate and up are views (no copy of the largest weights)
             return list(halves[0])
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]

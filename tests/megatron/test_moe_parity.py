@@ -3,8 +3,8 @@
 The tiny-moe preset with every weight made random (norms and router too: a swapped norm or a router
 that routes evenly would otherwise go unseen): logits and logprobs, the HF -> Megatron -> HF round
 trip, one train step, routing replay against transformers' forward with the same experts forced,
-the router losses against their definition on transformers' router logits, and expert parallelism
-over two gloo processes.
+the router losses against their definition on transformers' router logits, and two gloo processes
+(expert, tensor and both) against one.
 """
 
 from __future__ import annotations
@@ -258,14 +258,22 @@ def test_router_losses_are_logged_added_and_trained(moe_dir: Path) -> None:
 def test_parallel_sizes_that_cannot_split_the_experts_are_refused(moe_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"train\.megatron\.expert_parallel: 3 does not divide the 8 experts"):
         MegatronBackend(moe_dir, device="cpu", parallel=MegatronConfig(expert_parallel=3))
-    with pytest.raises(ValueError, match=r"train\.megatron\.tensor_parallel"):
+    with pytest.raises(ValueError, match=r"train\.megatron: world size 1 is not a multiple of tensor_parallel"):
         MegatronBackend(moe_dir, device="cpu", parallel=MegatronConfig(tensor_parallel=2))
-    with pytest.raises(ValueError, match=r"train\.megatron\.expert_parallel: 2 does not divide the data-parallel"):
+    with pytest.raises(ValueError, match=r"train\.megatron\.expert_parallel: 2 does not divide tensor_parallel x "
+                                         r"data-parallel size 1"):
         MegatronBackend(moe_dir, device="cpu", parallel=MegatronConfig(expert_parallel=2))
 
 
-def test_two_expert_parallel_ranks_compute_what_one_process_computes(moe_dir: Path, mega: MegatronBackend,
-                                                                     tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["ep2", "tp2", "tp2_ep2"])
+def test_two_parallel_ranks_compute_what_one_process_computes(layout: str, moe_dir: Path, tmp_path: Path) -> None:
+    """Expert parallel over data-parallel ranks; tensor (sequence) parallel with whole experts on both
+    ranks; and the experts split over the tensor-parallel ranks. The last two replay a record and train
+    the router losses, on micro-batches of odd lengths (padded for the sequence's two parts)."""
+    from moe_parallel_worker import backend, run_step, step_batch
+
+    batch = step_batch(layout)
+    assert any(batch.rows(i, i + 2).input_ids.shape[1] % 2 for i in range(0, 6, 2))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -274,20 +282,21 @@ def test_two_expert_parallel_ranks_compute_what_one_process_computes(moe_dir: Pa
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(moe_dir), str(out)], env=env,
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(moe_dir), str(out), layout], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     wait_all(procs, 240)
     got = torch.load(out, weights_only=False)
-    assert got["layout"] == (2, 2)  # data parallel 2, expert parallel 2: each rank holds 4 experts
+    assert got["layout"] == {"ep2": (1, 2, 2), "tp2": (2, 1, 1), "tp2_ep2": (2, 1, 2)}[layout]
 
-    from moe_parallel_worker import run_step
-
-    # Adam eps 1e-6: see test_one_train_step_equals_the_torch_backends
-    want = run_step(MegatronBackend(moe_dir, device="cpu", micro_batch_size=2, lr=1e-3, eps=1e-6, grad_clip=0.01,
-                                    moe=NO_AUX))
+    want = run_step(backend(moe_dir, layout), layout)
     torch.testing.assert_close(got["logprobs"], want["logprobs"], atol=1e-5, rtol=0)
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    assert got["metrics"].keys() == want["metrics"].keys()
+    for k in want["metrics"]:
+        assert got["metrics"][k] == pytest.approx(want["metrics"][k], rel=1e-4, abs=1e-6), k
+    if layout != "ep2":
+        assert want["metrics"]["moe/route_mismatch"] > 0.5 and want["metrics"]["moe/aux_loss"] > 1.0
     assert got["before"].keys() == want["before"].keys() == got["after"].keys()
     for name in want["before"]:
         assert torch.equal(got["before"][name], want["before"][name]), name

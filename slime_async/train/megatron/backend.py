@@ -11,7 +11,9 @@ Precision: `float32` keeps everything in float32. `bfloat16` (GPU) is Megatron's
 bf16 parameters and compute, float32 gradients, master weights and Adam moments in the optimizer;
 weights are exported in bf16. Logprobs are float32 from the logits either way.
 
-Mixture of experts (Qwen3-MoE): experts split over `expert_parallel` data-parallel ranks; with
+Mixture of experts (Qwen3-MoE): experts whole on every rank, split over `expert_parallel` of the tensor x
+data-parallel ranks; with tensor parallelism, sequence parallelism (micro-batches padded at the end to a
+multiple of the tensor-parallel size, which causal attention keeps from every real token); with
 `train.moe.routing_replay` and a batch that carries `routed_experts`, every forward (logprobs, the
 train step, recomputation) routes each token to the experts the engine chose, tokens without a
 record by the model itself (`moe_router.py`). The router losses (`train.moe`) are added to the step's
@@ -117,9 +119,10 @@ class MegatronBackend:
             training loop reads it)."""
             if self.shape.moe is not None:
                 aux = self.moe.aux_loss_coef
+                sp = (self.layout.tp_rank, self.layout.tp_group) if self.config.sequence_parallel else None
                 self.routes = RouteFeed(self.shape.num_layers,
                                         self.shape.moe.router_aux_loss_coef if aux is None else aux,
-                                        self.moe.z_loss_coef, self.device)
+                                        self.moe.z_loss_coef, self.device, sequence_parallel=sp)
             weights = HFWeights(self.model_path)
             module = self._build(weights, self.routes)
             # the reference routes itself (no replay), as in the torch backend
@@ -202,6 +205,11 @@ class MegatronBackend:
                                    routed_experts=None if routes is None else move(routes))
 
     def _run_model(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+        """The model's output for a micro-batch: logits [b, t, V / tp] on the last stage (hidden states
+        for the next stage on the others)."""
+        t = mb.input_ids.shape[1]
+        # sequence parallelism splits the sequence into equal parts: pad the rows' ends
+        pad = -t % self.layout.tp if self.config.sequence_parallel else 0
         if self.routes is not None:  # what this forward's routers read
             replay = mb.routed_experts if self.route_width else None
             if replay is not None and replay.shape[-1] != self.route_width:
@@ -209,11 +217,15 @@ class MegatronBackend:
                                  f"{self.route_width} (layers x top-k)")
             # a tensor: reading it here would make the host wait for the GPU
             share = mb.attention_mask.sum() / self._batch_tokens if self._batch_tokens else 0.0
-            self.routes.feed(replay, mb.attention_mask, share)
-        ids = mb.input_ids.to(self.device)
+            mask = torch.nn.functional.pad(mb.attention_mask, (0, pad))
+            if replay is not None:
+                replay = torch.nn.functional.pad(replay, (0, 0, 0, pad), value=-1)
+            self.routes.feed(replay, mask, share)
+        ids = torch.nn.functional.pad(mb.input_ids.to(self.device), (0, pad))
         pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
         # no mask: attention is causal and rows are right-padded
-        return model(input_ids=ids, position_ids=pos, attention_mask=None)
+        out = model(input_ids=ids, position_ids=pos, attention_mask=None)
+        return out[:, :t] if pad and self.layout.last_stage else out
 
     def _logprobs_of(self, logits: torch.Tensor, mb: Batch, temperature: float, entropy: bool) -> Logprobs:
         """Logits [b, t, V / tp] -> Logprobs aligned with tokens (0 at t = 0 and on padding)."""
@@ -325,6 +337,8 @@ class MegatronBackend:
         metrics["moe/aux_loss"] = sums[1]
         metrics["moe/z_loss"] = sums[2]
         if replaying:  # replayed routes: summed over ranks, divided at the end (`train_step`)
+            if self.routes.sequence_parallel is not None:  # each tensor-parallel rank counted its own tokens
+                dist.all_reduce(sums[3:], group=self.layout.tp_group)
             metrics["moe/replayed_differ"], metrics["moe/replayed_recorded"] = sums[3], sums[4]
         return sums[0]
 

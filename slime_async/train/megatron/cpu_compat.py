@@ -7,8 +7,10 @@ counts to the host on a side CUDA stream (`torch.cuda.Stream`, `current_stream`,
 it synchronises on); inside `cpu_megatron()` those are one host "stream" whose waits do nothing, as
 the counts are on the host already; and the dispatcher's "move to the host" helper, which turns
 the all-to-all split sizes into host arrays only when they are on a GPU, does so for CPU tensors too
-(gloo's all-to-all takes split sizes as a sequence, not a tensor). Those are the only shims: the
-rest of what assumes CUDA is kept off the CPU path by design, not patched:
+(gloo's all-to-all takes split sizes as a sequence, not a tensor). Under sequence parallelism (MoE
+with tensor parallelism) the embedding forks Megatron's CUDA RNG tracker around its dropout: inside
+`cpu_megatron()` the tracker's fork does nothing (every dropout here is 0; no random number is drawn).
+Those are the only shims: the rest of what assumes CUDA is kept off the CPU path by design, not patched:
 - attention is `sdpa_attention.SDPACoreAttention` (Megatron's unfused attention forks the CUDA RNG
   tracker and builds its causal mask on "cuda");
 - the optimizer is torch's AdamW with our own clipping (`optimizer.TorchOptimizer`): Megatron's
@@ -41,9 +43,11 @@ def cpu_megatron(active: bool = True) -> Iterator[None]:
         for name, value in (("Stream", _host_stream), ("current_stream", _host_stream),
                             ("stream", _no_stream)):
             stack.enter_context(mock.patch.object(torch.cuda, name, value))
+        from megatron.core import tensor_parallel
         from megatron.core.transformer.moe import token_dispatcher
 
         stack.enter_context(mock.patch.object(token_dispatcher, "maybe_move_tensor_to_cpu", _to_host))
+        stack.enter_context(mock.patch.object(tensor_parallel, "get_cuda_rng_tracker", _no_rng_tracker))
         yield
 
 
@@ -80,3 +84,14 @@ def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -
 
 def _no_stream(stream: object) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
+
+
+class _NoRngTracker:
+    """Megatron's CUDA RNG tracker where nothing draws random numbers: forking it changes nothing."""
+
+    def fork(self, name: str = "") -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def _no_rng_tracker() -> _NoRngTracker:
+    return _NoRngTracker()

@@ -18,8 +18,13 @@ experts split over `expert_model_parallel_size` ranks of the data-parallel group
 fc1 = [gate; up] as in the dense MLP), a loop over the experts with tokens. Grouped GEMM is not used:
 Megatron's `TEGroupedMLP` needs Transformer Engine and its legacy `GroupedMLP` the `grouped_gemm`
 package, neither of which is installed here (CPU or the H200); on CPU there is no grouped kernel at
-all. Tensor parallelism with experts is refused: Megatron's MoE layer then needs sequence
-parallelism, which this backend does not run.
+all. Experts are never split by tensor parallelism (expert tensor parallel size 1: Qwen3-MoE's
+experts are small matrices, and whole ones need no collective inside an expert). With tensor
+parallelism a MoE model runs Megatron's sequence parallelism, which its MoE layer requires: each
+tensor-parallel rank holds a contiguous part of the sequence outside attention and the output layer,
+normalises and routes those tokens itself (`SequenceParallelRMSNorm` stands in for Megatron's torch
+norm, which refuses sequence parallelism), and the backend pads micro-batches to a multiple of the
+tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -119,21 +124,16 @@ class ModelShape:
         if self.moe is None and ep > 1:
             raise ValueError(f"train.megatron.expert_parallel: {ep} asks to split experts, but {self.model_type} is "
                              f"a dense model; use 1")
-        if self.moe is not None:
-            if tp > 1:
-                raise ValueError(f"train.megatron.tensor_parallel: {tp} with a mixture-of-experts model needs "
-                                 f"sequence parallelism, which the megatron backend does not run; use 1 (and "
-                                 f"train.megatron.expert_parallel to split the experts)")
-            if self.moe.num_experts % ep:
-                raise ValueError(f"train.megatron.expert_parallel: {ep} does not divide the {self.moe.num_experts} "
-                                 f"experts")
+        if self.moe is not None and self.moe.num_experts % ep:
+            raise ValueError(f"train.megatron.expert_parallel: {ep} does not divide the {self.moe.num_experts} "
+                             f"experts")
         if self.num_heads % tp:
             raise ValueError(f"train.megatron.tensor_parallel: {tp} does not divide the {self.num_heads} "
                              f"attention heads")
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             raise ValueError(f"train.megatron.tensor_parallel: {tp} and the {self.num_kv_heads} key/value heads must "
                              f"divide one another")
-        if self.ffn_hidden_size % tp:
+        if self.moe is None and self.ffn_hidden_size % tp:  # experts are whole on every rank
             raise ValueError(f"train.megatron.tensor_parallel: {tp} does not divide intermediate_size "
                              f"{self.ffn_hidden_size}")
         if self.num_layers % pp:
@@ -197,6 +197,9 @@ def transformer_config(
             moe_z_loss_coeff=None,
             moe_grouped_gemm=False,
             expert_model_parallel_size=expert_parallel,
+            expert_tensor_parallel_size=1,
+            # Megatron's MoE layer with tensor parallelism needs it (the module docstring says how it runs)
+            sequence_parallel=tensor_parallel > 1,
         )
     return TransformerConfig(
         num_layers=shape.num_layers,
@@ -249,7 +252,18 @@ def te_available() -> bool:
     return True
 
 
-def layer_spec(shape: ModelShape, attention: AttentionKind) -> Any:  # -> ModuleSpec
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm in Megatron's local spec under sequence parallelism (Megatron's `WrappedTorchNorm`
+    refuses it). Its weight is flagged `sequence_parallel`: its gradient is a partial sum over this
+    rank's tokens (or, in QK-norm, heads), which the optimizer sums over tensor-parallel ranks."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def layer_spec(shape: ModelShape, attention: AttentionKind, sequence_parallel: bool = False
+               ) -> Any:  # -> ModuleSpec
     """The transformer layer spec: Transformer Engine's, or Megatron's local one with `attention`
     (`sdpa`: our SDPA core attention; `local`: Megatron's unfused DotProductAttention)."""
     from megatron.core.models.gpt import gpt_layer_specs
@@ -267,6 +281,12 @@ def layer_spec(shape: ModelShape, attention: AttentionKind) -> Any:  # -> Module
         from slime_async.train.megatron.sdpa_attention import SDPACoreAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if sequence_parallel and attention != "te":  # Transformer Engine's norms run it themselves
+        layer = spec.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+        if shape.qk_norm:
+            layer.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
+            layer.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
     if experts is not None:
         from slime_async.train.megatron.moe_router import QwenRouter
 
@@ -286,9 +306,15 @@ def build_gpt_model(
     """This stage's GPTModel (uninitialised weights: load them with `convert.load_hf_weights`)."""
     from megatron.core.models.gpt import GPTModel
 
+    spec = layer_spec(shape, attention, config.sequence_parallel)
+    if config.sequence_parallel and attention != "te":  # the final norm too (Megatron's default refuses it)
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                          layer_norm=SequenceParallelRMSNorm)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(shape, attention),
+        transformer_layer_spec=spec,
         vocab_size=shape.padded_vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=pre_process,

@@ -23,6 +23,12 @@ nothing of Megatron's is patched and other backends in the process are untouched
   local token counts for a `finalize_model_grads(num_tokens=...)` division that this backend never
   asks for (its loss shares already weigh the batch).
 
+Under sequence parallelism (tensor parallelism with MoE) a router sees its tensor-parallel rank's part
+of the sequence: it reads that part of the record and the mask, and the losses' sums (expert counts,
+probabilities, z, real tokens) are all-reduced over the tensor-parallel ranks before they are
+combined, so every rank computes the whole micro-batch's losses (the reduction's backward passes each
+rank's gradient to its own tokens).
+
 The routers of a model read one `RouteFeed`, which the backend fills for each micro-batch before its
 forward. Under full activation recomputation (GPU) a layer's forward runs twice in training: first
 without gradients, then again during backward, possibly after later micro-batches' forwards (the
@@ -53,7 +59,10 @@ class RouteFeed:
     """What the routers of one backend read: the current micro-batch, the loss coefficients, and
     the sums of the router losses over a train step."""
 
-    def __init__(self, num_layers: int, aux_coef: float, z_coef: float, device: torch.device) -> None:
+    def __init__(self, num_layers: int, aux_coef: float, z_coef: float, device: torch.device,
+                 sequence_parallel: tuple[int, Any] | None = None) -> None:
+        self.sequence_parallel = sequence_parallel
+        """(this rank's place, the group) of the sequence's parts: the tensor-parallel ranks; None: whole sequences."""
         self.num_layers = num_layers
         self.aux_coef = aux_coef
         self.z_coef = z_coef
@@ -129,9 +138,10 @@ class QwenRouter(TopKRouter):
         mb = self._micro_batch()
         layer = self.layer_number - 1  # global (Megatron counts from 1, across pipeline stages)
         replayed = None
+        part = self._part(seq)
         if mb is not None and mb.routes is not None:
             # Megatron's tokens are [s, b] flattened; the record is [b, s]
-            rec = mb.routes[:bsz, :seq, layer * k:(layer + 1) * k].transpose(0, 1).reshape(-1, k)
+            rec = mb.routes[:bsz, part, layer * k:(layer + 1) * k].transpose(0, 1).reshape(-1, k)
             usable = _usable(rec, num_experts)
             replayed = (usable, (rec.sort(dim=-1).values != ids.sort(dim=-1).values).any(dim=-1) & usable)
             ids = torch.where(usable[:, None], rec, ids)
@@ -143,24 +153,37 @@ class QwenRouter(TopKRouter):
         routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter(1, ids, True)
         feed = self.feed
         if (feed is not None and feed.training and mb is not None and self.training and torch.is_grad_enabled()):
-            routing_probs = self._losses(feed, mb, logits, probs, ids, seq, bsz, routing_probs, replayed)
+            routing_probs = self._losses(feed, mb, logits, probs, ids, part, bsz, routing_probs, replayed)
         return routing_probs, routing_map
 
+    def _part(self, seq: int) -> slice:
+        """The sequence positions of this rank's `seq` tokens (all of them without sequence parallelism)."""
+        sp = self.feed.sequence_parallel if self.feed is not None else None
+        start = sp[0] * seq if sp is not None else 0
+        return slice(start, start + seq)
+
     def _losses(self, feed: RouteFeed, mb: _MicroBatch, logits: torch.Tensor, probs: torch.Tensor,
-                ids: torch.Tensor, seq: int, bsz: int, routing_probs: torch.Tensor,
+                ids: torch.Tensor, part: slice, bsz: int, routing_probs: torch.Tensor,
                 replayed: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """This layer's aux and z losses over the real tokens, weighted by the micro-batch's share;
         summed into the feed and attached to `routing_probs` (when a coefficient is nonzero). Counts
         the replayed routes of real tokens and those that differ from the model's own top-k."""
-        real = mb.real[:bsz, :seq].transpose(0, 1).reshape(-1)
-        n = real.sum().clamp(min=1)
+        real = mb.real[:bsz, part].transpose(0, 1).reshape(-1)
         num_experts = probs.shape[1]
         counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
         counts.index_add_(0, ids[real].reshape(-1), torch.ones_like(ids[real].reshape(-1), dtype=probs.dtype))
-        f = counts / (n * self.topk)
-        p = (probs * real[:, None]).sum(0) / n
+        sums = torch.cat([counts, (probs * real[:, None]).sum(0),
+                          (torch.logsumexp(logits, dim=-1).square() * real).sum()[None],
+                          real.sum()[None].to(probs.dtype)])
+        if feed.sequence_parallel is not None:  # the whole sequence's sums: forward all-reduce, backward identity
+            from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+            sums = reduce_from_tensor_model_parallel_region(sums, group=feed.sequence_parallel[1])
+        n = sums[-1].clamp(min=1)
+        f = sums[:num_experts] / (n * self.topk)
+        p = sums[num_experts:2 * num_experts] / n
         aux = num_experts * (f * p).sum()
-        z = (torch.logsumexp(logits, dim=-1).square() * real).sum() / n
+        z = sums[-2] / n
         term = mb.share * (feed.aux_coef * aux + feed.z_coef * z)
         with torch.no_grad():
             recorded, differ = ((real & replayed[0]).sum(), (real & replayed[1]).sum()) if replayed else (0, 0)

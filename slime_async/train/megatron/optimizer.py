@@ -48,9 +48,11 @@ class TorchOptimizer:
     def __init__(self, model: torch.nn.Module, layout: Layout, *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, grad_clip: float) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # QK-norm weights act on each rank's own heads: their gradients are partial sums over
-        # tensor-parallel ranks (Megatron's finalize_model_grads sums them the same way)
-        self.tp_summed = [p for n, p in model.named_parameters() if "q_layernorm" in n or "k_layernorm" in n]
+        # QK-norm weights act on each rank's own heads, and under sequence parallelism (MoE) the norms and
+        # routers on each rank's own tokens: their gradients are partial sums over tensor-parallel ranks
+        # (Megatron's finalize_model_grads sums them the same way)
+        self.tp_summed = [p for n, p in model.named_parameters()
+                          if "q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False)]
         # experts' weights differ across expert-parallel ranks (each holds its own experts)
         self.experts = {id(p) for n, p in model.named_parameters() if ".mlp.experts." in n}
         self.layout = layout
@@ -71,23 +73,26 @@ class TorchOptimizer:
             for p in self.tp_summed:
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self.layout.tp_group)
-        expert_dp = self.layout.dp // self.layout.ep
         for p in self.params:
             if p.grad is None:
                 continue
             if id(p) not in self.experts:
                 if self.layout.dp > 1:
                     dist.all_reduce(p.grad, group=self.layout.dp_group)
-            elif expert_dp > 1:
+            elif self.layout.expert_dp > 1:
                 dist.all_reduce(p.grad, group=self.layout.expert_dp_group)
         squares = torch.zeros((), dtype=torch.float32, device=self.layout.device)
         expert_squares = torch.zeros((), dtype=torch.float32, device=self.layout.device)
         for p in self.params:
-            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-                (expert_squares if id(p) in self.experts else squares).add_(p.grad.detach().float().pow(2).sum())
+            if p.grad is None:
+                continue
+            if id(p) in self.experts:  # whole on each rank (expert tensor parallel size 1): no duplicate there
+                expert_squares.add_(p.grad.detach().float().pow(2).sum())
+            elif param_is_not_tensor_parallel_duplicate(p):
+                squares.add_(p.grad.detach().float().pow(2).sum())
         if self.layout.tp * self.layout.pp > 1:
             dist.all_reduce(squares, group=ps.get_model_parallel_group())
-        if self.experts and self.layout.ep * self.layout.tp * self.layout.pp > 1:
+        if self.experts and self.layout.ep * self.layout.pp > 1:
             dist.all_reduce(expert_squares, group=ps.get_expert_tensor_model_pipeline_parallel_group())
         squares += expert_squares
         norm = float(squares.sqrt())

@@ -5,10 +5,13 @@ reuses it when asked again for the same sizes (several backends in one process, 
 refusing other sizes. A process started without a distributed environment makes a world of one
 on loopback (gloo on CPU, NCCL on GPU).
 
-Expert parallelism (MoE) splits each layer's experts over `expert_parallel` ranks of the
-data-parallel group (Megatron's `expert_model_parallel_size`): those ranks run different micro-batches
-through the same dense weights and send each token to the rank holding its expert. Expert weights are
-then reduced over the expert-data-parallel group (data-parallel size / expert_parallel ranks).
+Experts (MoE) are never split by tensor parallelism (Megatron's expert tensor parallel size is 1):
+with tensor parallelism each rank of a tensor-parallel group routes its own part of the sequence
+(sequence parallelism) through whole experts. Expert parallelism splits each layer's experts over
+`expert_parallel` ranks of the tensor x data-parallel ranks (Megatron's `expert_model_parallel_size`;
+Megatron's expert grid takes a tensor-parallel group's ranks first): those ranks send each token to
+the rank holding its expert. Expert weights are then reduced over the expert-data-parallel group
+(tensor x data-parallel size / expert_parallel ranks).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class Layout:
     """The ranks that hold the other experts of this rank's layers (None for dense models)."""
     expert_dp_group: Any = None
     """The ranks holding the same experts, among which expert gradients are summed."""
+    expert_dp: int = 1
+    """The size of `expert_dp_group`."""
 
     @property
     def first_stage(self) -> bool:
@@ -84,9 +89,9 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, data_parallel: i
         raise ValueError(f"train.megatron.data_parallel: {data_parallel} x tensor_parallel x pipeline_parallel = "
                          f"{data_parallel * model_parallel}, but the world size is {world}")
     dp = world // model_parallel
-    if dp % expert_parallel:
-        raise ValueError(f"train.megatron.expert_parallel: {expert_parallel} does not divide the data-parallel "
-                         f"size {dp} (experts are split over data-parallel ranks)")
+    if (dp * tensor_parallel) % expert_parallel:
+        raise ValueError(f"train.megatron.expert_parallel: {expert_parallel} does not divide tensor_parallel x "
+                         f"data-parallel size {tensor_parallel * dp} (experts are split over those ranks)")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                 ps.get_expert_model_parallel_world_size())
@@ -96,7 +101,7 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, data_parallel: i
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                      pipeline_model_parallel_size=pipeline_parallel,
-                                     expert_model_parallel_size=expert_parallel)
+                                     expert_model_parallel_size=expert_parallel, expert_tensor_parallel_size=1)
         if device.type == "cuda":
             # the per-rank RNG streams Megatron's layers expect to exist (nothing here draws from them:
             # no dropout, weights are loaded); the process's own CUDA RNG (run.seed) is left as it was
@@ -113,4 +118,5 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, data_parallel: i
         dp_group=ps.get_data_parallel_group(),
         ep=expert_parallel, ep_rank=ps.get_expert_model_parallel_rank(),
         ep_group=ps.get_expert_model_parallel_group(), expert_dp_group=ps.get_expert_data_parallel_group(),
+        expert_dp=ps.get_expert_data_parallel_world_size(),
     )
