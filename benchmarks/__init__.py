@@ -52,7 +52,11 @@ def run_benchmark(name: str, quick: bool = False, console: Console | None = None
     module = importlib.import_module(f"benchmarks.{name}")
     console.print(f"[bold]{name}[/]: {module.DESCRIPTION}{' (quick)' if quick else ''}")
     result: Result = module.run(quick=quick)
-    table = Table(*result.columns, title=name)
+    table = Table(title=name)
+    labels = [_fmt(row[0]) for row in result.rows if row]
+    for i, column in enumerate(result.columns):
+        # a row's label is never cut short (a narrow terminal wraps the figures' columns instead)
+        table.add_column(column, no_wrap=i == 0, min_width=max(map(len, labels), default=None) if i == 0 else None)
     for row in result.rows:
         table.add_row(*(_fmt(v) for v in row))
     console.print(table)
