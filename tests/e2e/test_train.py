@@ -107,6 +107,24 @@ def test_train_runs_every_part_and_accounts_for_every_trajectory(tmp_path: Path)
     assert processes_mentioning(str(run / "config.yaml")) == []  # nothing left running
 
 
+def test_an_moe_model_trains_through_every_part_with_the_engines_routing_replayed(tmp_path: Path) -> None:
+    """configs/local_moe.yaml: the embedded engine returns each token's experts with its completion, they
+    travel through the rollout worker and the buffer with the trajectory, and the trainer replays them."""
+    done = subprocess.run(train_command(tmp_path, "train.steps=3", config="configs/local_moe.yaml"),
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = tmp_path / "local_moe"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        # present only when every batch carried the engine's routes (a step without them logs no mismatch)
+        assert 0.0 <= m["moe/route_mismatch"] <= 1.0 and m["moe/aux_loss"] > 0.0
+        assert m["counters"].get("unrouted_rows", 0) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    b = summary["buffer"]
+    assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"] and b["trained"] >= 24
+
+
 def test_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     proc = start_training(train_command(tmp_path, "train.steps=6", "train.checkpoint_every=1"))
     run = tmp_path / "local"
