@@ -217,11 +217,14 @@ class MegatronBackend:
                                  f"{self.route_width} (layers x top-k)")
             # a tensor: reading it here would make the host wait for the GPU
             share = mb.attention_mask.sum() / self._batch_tokens if self._batch_tokens else 0.0
-            mask = torch.nn.functional.pad(mb.attention_mask, (0, pad))
-            if replay is not None:
-                replay = torch.nn.functional.pad(replay, (0, 0, 0, pad), value=-1)
+            mask = mb.attention_mask
+            if pad:
+                mask = torch.nn.functional.pad(mask, (0, pad))
+                replay = None if replay is None else torch.nn.functional.pad(replay, (0, 0, 0, pad), value=-1)
             self.routes.feed(replay, mask, share)
-        ids = torch.nn.functional.pad(mb.input_ids.to(self.device), (0, pad))
+        ids = mb.input_ids.to(self.device)
+        if pad:
+            ids = torch.nn.functional.pad(ids, (0, pad))
         pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
         # no mask: attention is causal and rows are right-padded
         out = model(input_ids=ids, position_ids=pos, attention_mask=None)

@@ -13,7 +13,7 @@ every layer's MLP is Megatron's `MoELayer` with our `moe_router.QwenRouter` (Qwe
 per-token routing replay, our router losses; Megatron's own aux losses are off, see there), the
 all-to-all token dispatcher, no token dropping (no capacity factor), router logits in the hidden
 dtype then softmax in float32 (as HF), and
-experts split over `expert_model_parallel_size` ranks of the data-parallel group. Experts are
+experts split over `expert_model_parallel_size` of the tensor x data-parallel ranks. Experts are
 `SequentialMLP`: one Megatron `MLP` per local expert (`mlp.experts.local_experts.i.linear_fc1/2`,
 fc1 = [gate; up] as in the dense MLP), a loop over the experts with tokens. Grouped GEMM is not used:
 Megatron's `TEGroupedMLP` needs Transformer Engine and its legacy `GroupedMLP` the `grouped_gemm`
