@@ -6,7 +6,7 @@ same computation as transformers' (`slime_async.moe.shape` states it) with two a
 - **Replay.** While a micro-batch's routed-experts record is set, a token with a record takes the
   engine's experts instead of its own top-k; their weights are still the router's softmax at those
   experts (renormalised like the model's), so the router's gradient flows as it would have, had it
-  chosen them. A token without a record (-1) routes itself.
+  chosen them. A token without a usable record (-1, an id out of range, a repeated id) routes itself.
 - **Losses.** While collecting, each layer's load-balancing loss (Switch Transformer's: experts x
   sum over experts of the fraction of top-k choices x the mean probability; 1.0 when balanced) and
   z-loss (mean squared logsumexp of the logits) over the micro-batch's real tokens are kept for the
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slime_async.moe.replay import usable_routes
 from slime_async.moe.shape import MoeShape
 
 
@@ -88,7 +89,7 @@ class RouterControl:
             weights, experts = torch.topk(probs, shape.top_k, dim=-1)
             if self.routes is not None:
                 record = self.routes[:, lo:hi]
-                known = record[:, :1] >= 0
+                known = usable_routes(record, shape.num_experts)[:, None]  # the rest route themselves
                 if self.valid is not None:  # how often the engine chose other experts than we would
                     own, engine = experts.sort(dim=-1).values, record.sort(dim=-1).values
                     counted = known[:, 0] & self.valid

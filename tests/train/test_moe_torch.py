@@ -106,6 +106,24 @@ def test_replay_forces_the_engines_experts_and_unreported_tokens_route_themselve
     assert (replayed - unreplayed).abs().max() > 1e-3
 
 
+def test_malformed_record_rows_route_themselves(tiny_moe_dir: Path) -> None:
+    """An engine's record is another process's message: a row with an id out of range or a repeated id
+    is not replayed (the token routes itself), and nothing indexes out of bounds."""
+    be = backend(tiny_moe_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
+    batch = batch_of()
+    forced = ((own_routes(hf, batch).long() + 3) % E).to(torch.int16)
+    bad = forced.clone()
+    bad[:, 0::3, 0] = E + 5  # out of range in layer 0's first slot
+    bad[:, 1::3, 2] = bad[:, 1::3, 3]  # layer 1's two ids the same
+    batch.routed_experts = bad
+    got = be.logprobs(batch, 1.0).logprobs
+    want = forced.clone()
+    want[:, 0::3, 0:K] = -1  # what a usable-rows-only replay means: those (token, layer)s route themselves
+    want[:, 1::3, K:2 * K] = -1
+    torch.testing.assert_close(got, forced_logprobs(hf, batch, want), atol=1e-5, rtol=0)
+
+
 def test_replay_off_ignores_the_record(tiny_moe_dir: Path) -> None:
     be = backend(tiny_moe_dir, moe=MoeConfig(routing_replay=False))
     assert be.route_width is None

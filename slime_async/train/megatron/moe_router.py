@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from slime_async.moe.replay import usable_routes
+
 
 @dataclass
 class _MicroBatch:
@@ -142,7 +144,7 @@ class QwenRouter(TopKRouter):
         if mb is not None and mb.routes is not None:
             # Megatron's tokens are [s, b] flattened; the record is [b, s]
             rec = mb.routes[:bsz, part, layer * k:(layer + 1) * k].transpose(0, 1).reshape(-1, k)
-            usable = _usable(rec, num_experts)
+            usable = usable_routes(rec, num_experts)
             replayed = (usable, (rec.sort(dim=-1).values != ids.sort(dim=-1).values).any(dim=-1) & usable)
             ids = torch.where(usable[:, None], rec, ids)
         weights = probs.gather(1, ids)
@@ -193,9 +195,3 @@ class QwenRouter(TopKRouter):
             routing_probs = _AttachLoss.apply(routing_probs, term)
         return routing_probs
 
-
-def _usable(rec: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[tokens] bool: rows of k ids that can be replayed: all in range and distinct."""
-    ok = ((rec >= 0) & (rec < num_experts)).all(dim=-1)
-    srt = rec.sort(dim=-1).values
-    return ok & (srt[:, 1:] != srt[:, :-1]).all(dim=-1)
