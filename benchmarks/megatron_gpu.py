@@ -14,6 +14,12 @@
   bf16 HF model, as an engine on the same GPU would take it, against the copy bound (the weights'
   bytes read and written at the measured device-to-device copy bandwidth); then that model's logprobs
   against the trainer's (the export is right after training steps, not only at load).
+- Issue 30: the plain HF train step on the same GPU, shape and batch (`gpu_anchor`; the headline is
+  Megatron's ratio to it at micro-batch 2), one step of each under torch's profiler by kernel
+  category, and the step at micro-batch 2 without two of the backend's GPU fusions: compiled logprobs
+  (`train.megatron.fused_logprobs`) and weight gradients accumulated into the float32 buffers by the
+  GEMM (`train.megatron.wgrad_fusion`; plus one step with and without it from the same weights: their
+  gradient norms).
 
 Run: `slime-async bench megatron_gpu` (or `python -m slime_async.cli bench megatron_gpu`); `--quick`
 skips the unfused-attention comparison and the largest micro-batch.
@@ -176,22 +182,26 @@ def _attention_kernels(rows: list, details: dict) -> None:
             rows.append(["attention fwd+bwd", f"SDPA {name}", "", "", "", "", "", f"refused: {exc}"[:200]])
 
 
-def _megatron(model_dir: Path, dtype: str, attention: str, micro: int, lr: float = 1e-5, fused: bool = True) -> Any:
+def _megatron(model_dir: Path, dtype: str, attention: str, micro: int, lr: float = 1e-5, fused: bool = True,
+              wgrad: bool = True) -> Any:
     from slime_async.config.schema import MegatronConfig
     from slime_async.train.megatron.backend import MegatronBackend
 
     return MegatronBackend(model_dir, device=DEVICE, dtype=dtype, micro_batch_size=micro, lr=lr,  # type: ignore[arg-type]
-                           parallel=MegatronConfig(attention=attention, fused_logprobs=fused))  # type: ignore[arg-type]
+                           parallel=MegatronConfig(attention=attention, fused_logprobs=fused,  # type: ignore[arg-type]
+                                                   wgrad_fusion=wgrad))
 
 
 def _throughput(model_dir: Path, attention: str, micros: list[int], steps: int, rows: list, details: dict,
-                fused: bool = True) -> Any:
+                fused: bool = True, wgrad: bool = True) -> Any:
     """Train-step rows for `attention`; returns the backend (kept for the export phase) or None."""
     batch = _batch(SEQUENCES, SEQ, SHAPE["vocab_size"])
     flops = train_flops(SEQ, SEQUENCES)
-    be = _megatron(model_dir, TRAIN_DTYPE, attention, micros[0], fused=fused)
+    be = _megatron(model_dir, TRAIN_DTYPE, attention, micros[0], fused=fused, wgrad=wgrad)
+    if wgrad:
+        details["wgrad_fusion"] = be.config.gradient_accumulation_fusion
     for micro in micros:
-        key = f"{attention}/mb{micro}" + ("" if fused else " unfused logprobs")
+        key = f"{attention}/mb{micro}" + ("" if fused else " unfused logprobs") + ("" if wgrad else " unfused wgrad")
         be.micro_batch_size = micro
         _free()
         try:
@@ -283,6 +293,28 @@ def _parity(model_dir: Path, rows: list, details: dict) -> None:
         _free()
 
 
+def _wgrad_check(model_dir: Path, rows: list, details: dict) -> None:
+    """One bf16 train step at micro-batch 2 from the same weights on the same batch, with the weight
+    gradients accumulated by the fused GEMM into the float32 buffers and without (bf16 gradients added
+    to them): the loss must agree and the gradient norms closely (the fused one rounds less)."""
+    batch = _batch(SEQUENCES, SEQ, SHAPE["vocab_size"])
+    obj = _objective()
+    out = {}
+    for fused in (True, False):
+        be = _megatron(model_dir, TRAIN_DTYPE, "sdpa", 2, wgrad=fused)
+        used = be.config.gradient_accumulation_fusion
+        result = be.train_step(batch, obj.loss_fn(obj.prepare(batch, be.logprobs(batch, 1.0).logprobs)), 1.0)
+        out[fused] = (result.loss, result.grad_norm, used)
+        del be
+        _free()
+    (loss_f, norm_f, used), (loss_u, norm_u, _) = out[True], out[False]
+    rel = abs(norm_f - norm_u) / max(norm_u, 1e-12)
+    rows.append([f"{TRAIN_DTYPE} step, fused vs unfused weight gradients", "grad norm", rel, "", "", "", "",
+                 f"relative diff; grad norm {norm_f:.5g} vs {norm_u:.5g}, loss {loss_f:.6g} vs {loss_u:.6g}"
+                 + ("" if used else " (fusion NOT in use: its GEMM check failed)")])
+    details["wgrad_check"] = {"fused": out[True], "unfused": out[False], "grad_norm_rel_diff": rel}
+
+
 def _checkpoint(tmp: Path, rows: list, details: dict) -> None:
     """Save and load on the GPU path (Megatron DDP, distributed optimizer, bf16 with fp32 master weights),
     on a small model: a loaded backend must continue exactly as the one that saved."""
@@ -335,23 +367,27 @@ def run(quick: bool = False) -> Result:
         details["make_model_s"] = time.perf_counter() - began
         details["params"] = sum(int(np.prod(p)) for p in _param_shapes(model_dir))
 
-        kept: dict[str, Any] = {}
-
-        def sdpa() -> None:
+        def sdpa() -> None:  # the backend is freed before the HF model comes (an H100 has 80 GB)
             be = _throughput(model_dir, "sdpa", [1, 2] if quick else [1, 2, 4], steps, rows, details)
             _export(be, model_dir, rows, details)
-            kept["sdpa"] = be
+            _profile("megatron/mb2", lambda batch, obj: _megatron_step(be, batch, obj), rows, details)
 
-        def profile() -> None:
-            _profile(kept.pop("sdpa"), model_dir, rows, details)
+        def anchor() -> None:
+            from benchmarks.gpu_anchor import hf_step
+
+            _anchor(model_dir, [1, 2] if quick else [1, 2, 4], steps, rows, details)
+            _free()
+            _profile("hf/mb2", lambda batch, obj: hf_step(model_dir, batch, 2, DEVICE), rows, details)
 
         phases = [("attention kernels", lambda: _attention_kernels(rows, details)),
-                  ("sdpa train steps, export", sdpa),
-                  ("plain HF anchor", lambda: _anchor(model_dir, [1, 2] if quick else [1, 2, 4], steps, rows,
-                                                       details)),
-                  ("profile: where a step's time goes", profile),
+                  ("sdpa train steps, export, profile", sdpa),
+                  ("plain HF anchor, profile", anchor),
                   ("unfused logprobs (before issue 30)",
                    lambda: _throughput(model_dir, "sdpa", [2], steps, rows, details, fused=False)),
+                  ("unfused weight gradients",
+                   lambda: _throughput(model_dir, "sdpa", [2], steps, rows, details, wgrad=False)),
+                  ("weight-gradient fusion: one step against the unfused one", lambda: _wgrad_check(model_dir, rows,
+                                                                                                   details)),
                   ("parity with the torch backend", lambda: _parity(model_dir, rows, details)),
                   ("checkpoint resume", lambda: _checkpoint(Path(tmp), rows, details))]
         if not quick:  # last: a comparison, the first to go when time runs short
@@ -410,21 +446,22 @@ def _anchor(model_dir: Path, micros: list[int], steps: int, rows: list, details:
                      100 * tflops / CEILING_TFLOPS, step_s * 1e3, result["peak_gb"], ratio])
 
 
-def _profile(be: Any, model_dir: Path, rows: list, details: dict) -> None:
-    """GPU time of one step by kernel category: the Megatron backend at micro-batch 2, then plain HF."""
-    from benchmarks.gpu_anchor import hf_step, kernel_breakdown
-
-    batch = _batch(SEQUENCES, SEQ, SHAPE["vocab_size"])
-    obj = _objective()
+def _megatron_step(be: Any, batch: Any, obj: Any) -> Any:
+    """The Megatron backend's train step at micro-batch 2 as a function of nothing (for the profiler)."""
     be.micro_batch_size = 2
     prox = be.logprobs(batch, 1.0).logprobs
-    details["profile"] = {"megatron/mb2": kernel_breakdown(
-        lambda: be.train_step(batch, obj.loss_fn(obj.prepare(batch, prox)), 1.0), DEVICE)}
-    details["profile"]["hf/mb2"] = kernel_breakdown(hf_step(model_dir, batch, 2, DEVICE), DEVICE)
-    for key, prof in details["profile"].items():
-        parts = ", ".join(f"{k} {1e3 * v:.0f}" for k, v in prof["by_category_s"].items())
-        rows.append(["step profile (GPU ms)", key, prof["wall_s"] * 1e3, "", "", prof["kernel_s"] * 1e3, "",
-                     f"idle {1e3 * prof['idle_s']:.0f}; {parts}"])
+    return lambda: be.train_step(batch, obj.loss_fn(obj.prepare(batch, prox)), 1.0)
+
+
+def _profile(key: str, make_step: Any, rows: list, details: dict) -> None:
+    """GPU time of one step by kernel category (`make_step(batch, objective)` gives the step)."""
+    from benchmarks.gpu_anchor import kernel_breakdown
+
+    prof = kernel_breakdown(make_step(_batch(SEQUENCES, SEQ, SHAPE["vocab_size"]), _objective()), DEVICE, top=20)
+    details.setdefault("profile", {})[key] = prof
+    parts = ", ".join(f"{k} {1e3 * v:.0f}" for k, v in prof["by_category_s"].items())
+    rows.append(["step profile (GPU ms)", key, prof["wall_s"] * 1e3, "", "", prof["kernel_s"] * 1e3, "",
+                 f"idle {1e3 * prof['idle_s']:.0f}; {parts}"])
 
 
 def _param_shapes(model_dir: Path) -> list[tuple[int, ...]]:

@@ -338,6 +338,10 @@ class MegatronConfig(_Section):
     """On a GPU without tensor parallelism: the token logprobs from the logits as one compiled kernel
     each way (`torch.compile`), reading the bf16 logits instead of a float32 copy kept for the backward
     pass (the LM head's output over a 152k vocabulary is the largest tensor of a step)."""
+    wgrad_fusion: bool = True
+    """On a GPU: linear layers accumulate their weight gradients straight into the float32 gradient
+    buffers (Megatron's gradient-accumulation fusion, one GEMM per weight; `megatron/wgrad_fusion.py`),
+    instead of a bf16 gradient that is then added to them."""
 
 
 class MoeConfig(_Section):

@@ -14,7 +14,7 @@ from slime_async.train.backend import Logprobs
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.build import build_backend
 from slime_async.train.megatron.backend import MegatronBackend
-from slime_async.train.megatron.weights import global_names
+from slime_async.train.megatron.weights import export_hf, global_names
 from slime_async.train.objective import Objective
 from slime_async.train.torch_backend import TorchBackend
 
@@ -100,6 +100,7 @@ def test_save_and_load_restore_model_and_optimizer(family_dirs: dict[str, Path],
     a.save(tmp_path / "ck")
     assert (tmp_path / "ck" / "model.safetensors").is_file() and (tmp_path / "ck" / "config.json").is_file()
     b = MegatronBackend(family_dirs["llama"], device="cpu", lr=1e-3)
+    list(b.named_weights())  # an export planned before the load must see the loaded weights
     b.load(tmp_path / "ck")
     for be in (a, b):
         step(be)
@@ -124,3 +125,34 @@ def test_config_selects_the_megatron_backend_with_a_reference(family_dirs: dict[
     assert be.train_step(batch, obj.loss_fn(obj.prepare(batch, start, ref)), 1.0).applied
     assert torch.equal(be.logprobs(batch, 1.0, reference=True).logprobs, start)  # the reference stays
     assert not torch.equal(be.logprobs(batch, 1.0).logprobs, start)
+
+
+def test_the_logits_reach_the_loss_without_a_copy(family_dirs: dict[str, Path]) -> None:
+    """GPTModel turns the output layer's logits batch-first with `transpose(0, 1).contiguous()`: the
+    output layer computes them batch-first already, so that the whole logits tensor (the largest of
+    the step) is not copied on its way to the logprobs, and the values are the same."""
+    be = MegatronBackend(family_dirs["qwen2"], device="cpu", micro_batch_size=6)
+    made: list[torch.Tensor] = []
+    be.module.output_layer.register_forward_hook(lambda _m, _args, out: made.append(out[0]))
+    mb = batch_of()
+    with torch.no_grad(), be._compat():
+        logits = be._run_model(be.model, mb)
+    assert logits.shape[:2] == mb.input_ids.shape and logits.is_contiguous()
+    assert logits.data_ptr() == made[0].data_ptr()  # the layer's own tensor, not a copy of it
+    want = TorchBackend(family_dirs["qwen2"], device="cpu", micro_batch_size=6).logprobs(mb, 1.0).logprobs
+    torch.testing.assert_close(be.logprobs(mb, 1.0).logprobs, want, atol=1e-5, rtol=0)
+
+
+def test_the_planned_export_follows_training_and_equals_the_general_one(family_dirs: dict[str, Path]) -> None:
+    """A trainer holding the whole model exports from a plan made at its first export (views of the
+    parameters): after a train step it must export the new weights, exactly as `export_hf` does."""
+    be = MegatronBackend(family_dirs["qwen3"], device="cpu", lr=1e-2)
+    before = {n: t.clone() for n, t in be.named_weights()}
+    batch, obj = batch_of(), Objective(TrainConfig())
+    assert be.train_step(batch, obj.loss_fn(obj.prepare(batch, be.logprobs(batch, 1.0).logprobs)), 1.0).applied
+    planned = list(be.named_weights())
+    general = list(export_hf(be.module, be.geometry, be.layout, be.export_dtype))
+    assert [n for n, _ in planned] == [n for n, _ in general] == list(before)
+    for (name, got), (_, want) in zip(planned, general, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert sum(not torch.equal(before[n], t) for n, t in planned) > 10

@@ -17,11 +17,22 @@ def test_moe_benchmark_runs_shrunk_on_cpu(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setattr(bench, name, value)
     result = bench.run(quick=True)
     assert not result.details["errors"], result.details["errors"]
-    assert [r[1] for r in result.rows] == ["routed by the model", "routing replay"]
+    assert [r[:2] for r in result.rows] == [["train step", "routed by the model"], ["train step", "routing replay"],
+                                           ["step profile (GPU ms)", "routed by the model"]]
     for key in ("routed by the model", "routing replay"):
         train = result.details["train"][key]
         assert train["tflops"] > 0 and train["metrics"]["moe/aux_loss"] > 0.5
     assert result.details["train"]["routing replay"]["metrics"]["moe/route_mismatch"] > 0.3
     # active parameters: 2 layers x (QKV 64 x (64 + 2 x 32), output 64 x 64, router 64 x 8, 2 experts x 3 x 64 x 32)
     # + the LM head 64 x 300
-    assert bench.active_params() == 2 * (64 * 128 + 64 * 64 + 64 * 8 + 2 * 3 * 64 * 32) + 64 * 300
+    assert bench.active_params(2) == 2 * (64 * 128 + 64 * 64 + 64 * 8 + 2 * 3 * 64 * 32) + 64 * 300
+
+
+def test_the_moe_benchmark_takes_as_many_layers_as_the_gpu_holds() -> None:
+    """Qwen3-30B-A3B's layer is 0.62B parameters and its embedding and head 0.62B, 18 bytes each with
+    the optimizer state, in 3/4 of the GPU's memory: 6 layers (the most) on an H200, 4 on an H100."""
+    layer, ends = bench.layer_params()
+    assert 0.62e9 < layer < 0.63e9 and 0.62e9 < ends < 0.63e9
+    assert bench.layers_that_fit(143771 * 2**20) == 6  # an H200
+    assert bench.layers_that_fit(81559 * 2**20) == 4  # an H100
+    assert bench.layers_that_fit(8 * 2**30) == 1

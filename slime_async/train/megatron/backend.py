@@ -37,6 +37,7 @@ from slime_async.config.schema import MegatronConfig, MoeConfig
 from slime_async.sync.megatron_names import Geometry
 from slime_async.train.backend import Logprobs, LossFn, StepResult, metric_floats
 from slime_async.train.batch import Batch
+from slime_async.train.megatron import wgrad_fusion
 from slime_async.train.megatron.cpu_compat import cpu_megatron
 from slime_async.train.megatron.logprobs import fused_logprobs, vocab_parallel_logprobs
 from slime_async.train.megatron.model import (
@@ -49,7 +50,14 @@ from slime_async.train.megatron.model import (
 from slime_async.train.megatron.moe_router import QwenRouter, RouteFeed
 from slime_async.train.megatron.optimizer import MegatronOptimizer, StepOptimizer, TorchOptimizer
 from slime_async.train.megatron.parallel import init_parallel
-from slime_async.train.megatron.weights import HFWeights, export_hf, load_hf, mark_tensor_parallel, save_hf_dir
+from slime_async.train.megatron.weights import (
+    HFWeights,
+    LocalExport,
+    export_hf,
+    load_hf,
+    mark_tensor_parallel,
+    save_hf_dir,
+)
 from slime_async.train.torch_backend import resolve_device
 
 LAYOUT_FILE = "megatron.json"
@@ -112,8 +120,10 @@ class MegatronBackend:
             self.config = transformer_config(
                 self.shape, tensor_parallel=self.layout.tp, pipeline_parallel=self.layout.pp,
                 dtype=self.params_dtype, on_gpu=self.on_gpu, recompute=cfg.recompute_activations,
-                expert_parallel=self.layout.ep)
+                expert_parallel=self.layout.ep,
+                wgrad_fusion=cfg.wgrad_fusion and self.on_gpu and wgrad_fusion.enable(str(self.device)))
             self.routes: RouteFeed | None = None
+            self._local_export: LocalExport | None = None  # built at the first export (`named_weights`)
             self.route_width = self.shape.moe.route_width if self.shape.moe and self.moe.routing_replay else None
             """Ids per token of a routed-experts record the batches should carry (None: no replay; the
             training loop reads it)."""
@@ -368,6 +378,10 @@ class MegatronBackend:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF tensor once (a tied lm_head under the embedding's name), in the export dtype, on this
         rank's device. Collective: every rank of the trainer must iterate it to the end."""
+        if self.layout.tp == self.layout.pp == self.layout.ep == 1:  # the whole model here: no collective
+            if self._local_export is None:
+                self._local_export = LocalExport(self.module, self.geometry)
+            return self._local_export(self.export_dtype)
         return export_hf(self.module, self.geometry, self.layout, self.export_dtype)
 
     def _layout_record(self) -> dict[str, int]:

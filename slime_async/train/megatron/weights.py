@@ -154,6 +154,33 @@ def export_hf(model: torch.nn.Module, geo: names.Geometry, layout: Layout, dtype
                     yield hf_name, tensor.to(dtype)
 
 
+class LocalExport:
+    """`export_hf` for a trainer that holds the whole model (tensor, pipeline and expert parallel size
+    1: nothing to gather), planned once: which parameter each HF tensor comes from, and the HF tensor
+    itself where it is a view of the parameter (all but the q/k/v split of the fused QKV weight, which
+    is a copy each time). Walking the modules and naming every parameter took 4 ms of Python per export
+    for a 12-layer model (146 tensors), more than the copies themselves on a GPU (1.2 ms for 2.5 GB at
+    the copy bound). The views stay right for the backend's life: parameters are updated in place
+    (optimizer steps, `load_hf`, DDP's buffers are allocated once)."""
+
+    def __init__(self, model: torch.nn.Module, geo: names.Geometry) -> None:
+        self.geo = geo
+        self.plan: list[tuple[torch.Tensor, names.Slot, list[torch.Tensor] | None]] = []
+        for name, param in global_names(model):
+            if not names.exported(name, geo):
+                continue
+            s = names.slot(name, geo)
+            param = param.detach()
+            tensors = names.to_hf(s, param, geo)
+            views = all(t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr() for t in tensors)
+            self.plan.append((param, s, tensors if views else None))
+
+    def __call__(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        for param, s, views in self.plan:  # detached parameters: nothing here records a gradient
+            for hf_name, tensor in zip(s.hf_names, views or names.to_hf(s, param, self.geo), strict=True):
+                yield hf_name, tensor.to(dtype)
+
+
 def _gather_ep(local: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     parts = [torch.empty_like(local) for _ in range(layout.ep)]
     dist.all_gather(parts, local.contiguous(), group=layout.ep_group)
