@@ -26,6 +26,7 @@ from slime_async.moe.shape import moe_shape
 from slime_async.sync.hf_layout import checkpoint_views
 from slime_async.train.backend import Logprobs, LossFn, StepResult, metric_floats
 from slime_async.train.batch import Batch
+from slime_async.train.fused_logprobs import fused_logprobs
 from slime_async.train.losses import entropy_from_logits
 from slime_async.train.moe_router import RouterControl, RouterStats
 
@@ -91,6 +92,9 @@ class TorchBackend:
         """Ids per token of a routed-experts record the batches should carry (None: no replay)."""
         self.router_stats = RouterStats(None, None, None, None)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        # on a GPU: the token logprobs as compiled kernels over the (bf16) logits, no float32 copy kept
+        # (`train/fused_logprobs.py`; Inductor's CPU path would need a C++ compiler)
+        self.fused_logprobs = self.device.type == "cuda"
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.lr = lr
@@ -111,14 +115,20 @@ class TorchBackend:
             self.routers.begin(None if replay is None else replay.to(self.device), attn if router_losses else None)
         try:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+                logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
         finally:
             if self.routers is not None and model is self.model:
                 self.router_stats = self.routers.end()
+        zero = torch.zeros(ids.shape[0], 1, device=self.device)
+        if self.fused_logprobs and not entropy and logits.is_contiguous():
+            # the whole logits (no copy): the last position predicts nothing and is dropped after
+            targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+            logp = fused_logprobs(logits, targets, temperature, logits.shape[-1])[:, :-1]
+            return Logprobs(torch.cat([zero, logp], dim=1) * attn, None)
+        logits = logits[:, :-1].float()
         if temperature != 1.0:
             logits = logits / temperature
         logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-        zero = torch.zeros_like(logp[:, :1])
         # shift so that entry t belongs to token t; padding gets 0
         out = torch.cat([zero, logp], dim=1) * attn
         ent = torch.cat([zero, entropy_from_logits(logits)], dim=1) * attn if entropy else None

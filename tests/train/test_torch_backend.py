@@ -140,3 +140,32 @@ def test_lr_warmup_ramps_linearly_and_survives_save_and_load(tiny_model_dir: Pat
         again.train_step(batch, obj.loss_fn(prep), 1.0)
         lrs.append(again.optimizer.param_groups[0]["lr"])
     assert lrs[3:] == pytest.approx([1e-3, 1e-3])  # the ramp went on from step 4, not from 1
+
+
+def test_the_gpu_logprob_path_gives_the_plain_one_s_logprobs_and_step(tiny_model_dir: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the backend takes its logprobs from the whole logits through the compiled function
+    (`train/fused_logprobs.py`); here that path runs with the same function uncompiled (compiling
+    needs a GPU or a C++ toolchain): the same logprobs, loss and gradient norm as the plain path."""
+    from slime_async.train import fused_logprobs as fused
+    from slime_async.train import torch_backend
+
+    calls: list[tuple[int, ...]] = []
+
+    def eager(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab: int) -> torch.Tensor:
+        calls.append(tuple(logits.shape))
+        return fused.token_logprobs(logits, targets, temperature, vocab)
+
+    monkeypatch.setattr(torch_backend, "fused_logprobs", eager)
+    batch, obj = batch_of(), Objective(TrainConfig())
+    results = []
+    for on in (True, False):
+        be = backend(tiny_model_dir, micro_batch_size=3)
+        be.fused_logprobs = on
+        lp = be.logprobs(batch, 0.8).logprobs
+        step = be.train_step(batch, obj.loss_fn(obj.prepare(batch, lp)), 0.8)
+        results.append((lp, step.loss, step.grad_norm))
+    assert len(calls) == 4 and calls[0][:2] == tuple(batch.input_ids[:3].shape)  # 2 micro-batches, 2 passes
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=0)
+    assert results[0][1] == pytest.approx(results[1][1], rel=1e-6)
+    assert results[0][2] == pytest.approx(results[1][2], rel=1e-5)

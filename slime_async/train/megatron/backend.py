@@ -37,9 +37,10 @@ from slime_async.config.schema import MegatronConfig, MoeConfig
 from slime_async.sync.megatron_names import Geometry
 from slime_async.train.backend import Logprobs, LossFn, StepResult, metric_floats
 from slime_async.train.batch import Batch
+from slime_async.train.fused_logprobs import fused_logprobs
 from slime_async.train.megatron import wgrad_fusion
 from slime_async.train.megatron.cpu_compat import cpu_megatron
-from slime_async.train.megatron.logprobs import fused_logprobs, vocab_parallel_logprobs
+from slime_async.train.megatron.logprobs import vocab_parallel_logprobs
 from slime_async.train.megatron.model import (
     AttentionKind,
     ModelShape,

@@ -74,29 +74,3 @@ def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     return reduce_from_tensor_model_parallel_region(t.clone())
-
-
-def _logprobs_one_rank(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int
-                       ) -> torch.Tensor:
-    x = logits[..., :vocab_size].float()  # padded entries dropped: the same softmax as masking them
-    if temperature != 1.0:
-        x = x / temperature
-    return x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
-
-
-_compiled: dict[str, object] = {}
-
-
-def fused_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int
-                   ) -> torch.Tensor:
-    """`_logprobs_one_rank` through `torch.compile` for one rank's whole vocabulary (no tensor
-    parallelism): Inductor fuses the cast, the scaling, the log-sum-exp and the gather into kernels
-    that read the bf16 logits, forward and backward, and keeps no float32 copy for the backward pass.
-    logits [b, s, V] (contiguous), targets [b, s] -> [b, s]. Rows are flattened to one dynamic
-    dimension: one compiled graph for every micro-batch shape (a dimension of 1 would be specialised)."""
-    fn = _compiled.get("fn")
-    if fn is None:
-        fn = _compiled["fn"] = torch.compile(_logprobs_one_rank, dynamic=True)
-    rows = logits.view(-1, logits.shape[-1])
-    torch._dynamo.mark_dynamic(rows, 0)
-    return fn(rows, targets.reshape(-1), temperature, vocab_size).view(targets.shape)  # type: ignore[operator]
