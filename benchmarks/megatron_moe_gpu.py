@@ -5,7 +5,7 @@ Shape: hidden 2048, 32 query / 4 key-value heads of 128, 128 experts of intermed
 (renormalised), untied 151,936 vocabulary, as many layers as the GPU holds, at most 6 (`layers_that_fit`:
 each layer is 0.62B parameters, the embedding and the LM head 0.62B together, at 18 bytes each with
 Megatron's bf16 weights, fp32 gradients, fp32 master weights and Adam moments; 6 layers = 4.4B
-parameters = 79 GB plus activations on a 141 GB H200, 4 on an 80 GB H100).
+parameters = 79 GB plus activations on a 141 GB H200, 4 on an 80 GB H100: 64 GB at its peak there).
 
 - Train step (`MegatronBackend.train_step`, micro-batch 1, sequences of 4096): tokens/s, TFLOP/s and
   MFU counted on the ACTIVE parameters (what a token computes): per token and layer, forward

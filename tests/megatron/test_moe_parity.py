@@ -301,3 +301,21 @@ def test_two_parallel_ranks_compute_what_one_process_computes(layout: str, moe_d
     for name in want["before"]:
         assert torch.equal(got["before"][name], want["before"][name]), name
         torch.testing.assert_close(got["after"][name], want["after"][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_the_router_is_set_in_either_form_of_megatrons_moe_spec() -> None:
+    """megatron-core 0.16 (CPU) gives the MoE layer's spec as a ModuleSpec, 0.19 (the GPU machine's,
+    Python 3.12) as `partial(MoELayer, submodules=...)`: our router goes into both."""
+    import functools
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from slime_async.train.megatron.model import set_router
+    from slime_async.train.megatron.moe_router import QwenRouter
+
+    old = ModuleSpec(module=object, submodules=SimpleNamespace(router=None, experts=None))
+    new = functools.partial(dict, submodules=SimpleNamespace(router=None, experts=None))
+    for spec in (old, new):
+        set_router(spec, QwenRouter)
+    assert old.submodules.router is QwenRouter and new.keywords["submodules"].router is QwenRouter

@@ -229,7 +229,9 @@ def transformer_config(
         perform_initialization=False,
         use_cpu_initialization=not on_gpu,
         # jit-fused SwiGLU and bias-dropout-add are plain torch; RoPE/softmax fusions need TE or Apex
-        bias_activation_fusion=on_gpu,
+        # (not for experts: Megatron's compiled weighted SwiGLU recompiles for every expert's token count
+        # and gives up after 8, measured on an H100)
+        bias_activation_fusion=on_gpu and shape.moe is None,
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
@@ -294,8 +296,14 @@ def layer_spec(shape: ModelShape, attention: AttentionKind, sequence_parallel: b
     if experts is not None:
         from slime_async.train.megatron.moe_router import QwenRouter
 
-        spec.submodules.mlp.submodules.router = QwenRouter
+        set_router(spec.submodules.mlp, QwenRouter)
     return spec
+
+
+def set_router(mlp: Any, router: type) -> None:
+    """Set the router class of a MoE layer's spec: a ModuleSpec (megatron-core 0.16, CPU here) or
+    `partial(MoELayer, submodules=MoESubmodules(...))` (0.19, the GPU machine's)."""
+    (mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules).router = router
 
 
 def build_gpt_model(
@@ -355,7 +363,8 @@ def _batch_first_output_layer() -> type:
     GPTModel's last step turns the output layer's [s, b, V] logits into [b, s, V] with
     `transpose(0, 1).contiguous()`: a strided copy of the whole logits forward, and another of their
     gradient backward (2.5 GB each per micro-batch of 2 x 4096 tokens at a 152k vocabulary; 43 ms of a
-    580 ms train step on the H200, the largest kernel after the matmuls). This layer transposes its
+    580 ms train step on the H200, the largest kernel after the matmuls, and gone from the profile with
+    this layer). This layer transposes its
     small input instead ([s, b, hidden]: 1/74 of the logits there) and returns its [b, s, V] result as a
     [s, b, V] view, so GPTModel's transpose gives back the contiguous tensor and `contiguous()` copies
     nothing. Same parameters, names and arithmetic (each logit is the same dot product)."""
