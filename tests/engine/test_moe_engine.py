@@ -18,7 +18,7 @@ from helpers import perturbed_copy, post, wait_for_tokens
 from sglang_source import class_defaults
 from transformers import AutoModelForCausalLM
 
-from slime_async.engine.graphs import GraphDecoder, eager_capture
+from slime_async.engine.graphs import Capture, CudaCapture, GraphDecoder, eager_capture
 from slime_async.engine.model import SlotModel
 from slime_async.moe.routing import decode_sglang
 from slime_async.moe.shape import moe_shape
@@ -81,11 +81,11 @@ def test_prefill_and_decode_logits_and_routes_equal_hf(hf_moe: torch.nn.Module) 
             assert torch.equal(slots.step_routes[i], routes[-1].int())
 
 
-def test_static_step_equals_eager_step(hf_moe: torch.nn.Module) -> None:
+def static_and_eager_steps_agree(model: torch.nn.Module, capture: Capture) -> None:
     """The graph's step (dense experts over a padded batch) gives the eager step's logits and ids."""
     def run(graph: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        slots = SlotModel(hf_moe, max_slots=4, max_len=64, initial_len=32)
-        decoder = GraphDecoder(slots, eager_capture, buckets=[4]) if graph else None
+        slots = SlotModel(model, max_slots=4, max_len=64, initial_len=32)
+        decoder = GraphDecoder(slots, capture, buckets=[4]) if graph else None
         slots.prefill_batch(0, PROMPTS)
         out, tokens, positions = [], [3, 4, 5], [len(p) for p in PROMPTS]
         for _ in range(3):
@@ -97,6 +97,19 @@ def test_static_step_equals_eager_step(hf_moe: torch.nn.Module) -> None:
     for (a, ra), (b, rb) in zip(run(False), run(True), strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
         assert torch.equal(ra, rb)
+
+
+def test_static_step_equals_eager_step(hf_moe: torch.nn.Module) -> None:
+    static_and_eager_steps_agree(hf_moe, eager_capture)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_recorded_cuda_graph_step_equals_the_eager_step(moe_dir: Path) -> None:
+    """On a GPU the engine replays recorded CUDA graphs of the static step (`CudaCapture`): the same
+    logits and expert ids as the eager step, float32."""
+    model = AutoModelForCausalLM.from_pretrained(moe_dir).to("cuda").eval()
+    static_and_eager_steps_agree(model, CudaCapture())
 
 
 def test_unsupported_moe_config_is_one_clear_error(hf_moe: torch.nn.Module, moe_dir: Path, tmp_path: Path) -> None:
