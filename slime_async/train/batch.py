@@ -131,8 +131,9 @@ def build_batch(
             skipped["nan_reward"] += 1
             continue
         rows, reason, cut = [], None, False
-        routes = segment_routes(traj, route_width) if route_width else [None] * len(traj.segments())
-        for (ids, logprobs, mask), route in zip(traj.segments(), routes, strict=True):
+        segments = traj.segments()
+        routes = segment_routes(traj, route_width) if route_width else [None] * len(segments)
+        for (ids, logprobs, mask), route in zip(segments, routes, strict=True):
             mask = mask.astype(np.float32)
             if len(mask):
                 mask[0] = 0.0  # token 0 has no context to be predicted from

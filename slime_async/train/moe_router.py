@@ -107,10 +107,13 @@ class RouterControl:
 
     def _losses(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> None:
         assert self.valid is not None
-        valid = self.valid
+        # masks multiply rather than index: indexing by a boolean mask makes the host wait for the GPU
+        valid = self.valid.to(probs.dtype)
         n = valid.sum().clamp(min=1)
-        chosen = F.one_hot(experts[valid], self.shape.num_experts).sum(dim=(0, 1)).float()
-        fraction = chosen / (n * self.shape.top_k)
-        mean_prob = probs[valid].sum(dim=0) / n
+        k = self.shape.top_k
+        chosen = torch.zeros(self.shape.num_experts, dtype=probs.dtype, device=probs.device)
+        chosen.index_add_(0, experts.reshape(-1), valid.repeat_interleave(k))
+        fraction = chosen / (n * k)
+        mean_prob = (probs * valid[:, None]).sum(dim=0) / n
         self.aux.append(self.shape.num_experts * (fraction * mean_prob).sum())
-        self.z.append((torch.logsumexp(logits[valid].float(), dim=-1) ** 2).sum() / n)
+        self.z.append(((torch.logsumexp(logits.float(), dim=-1) ** 2) * valid).sum() / n)

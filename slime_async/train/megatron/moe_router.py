@@ -145,7 +145,7 @@ class QwenRouter(TopKRouter):
             # Megatron's tokens are [s, b] flattened; the record is [b, s]
             rec = mb.routes[:bsz, part, layer * k:(layer + 1) * k].transpose(0, 1).reshape(-1, k)
             usable = usable_routes(rec, num_experts)
-            replayed = (usable, (rec.sort(dim=-1).values != ids.sort(dim=-1).values).any(dim=-1) & usable)
+            replayed = (usable, rec, ids)  # how many differ is counted by `_losses` (training passes only)
             ids = torch.where(usable[:, None], rec, ids)
         weights = probs.gather(1, ids)
         if not self.config.moe_router_pre_softmax:  # = norm_topk_prob (model.transformer_config)
@@ -166,7 +166,7 @@ class QwenRouter(TopKRouter):
 
     def _losses(self, feed: RouteFeed, mb: _MicroBatch, logits: torch.Tensor, probs: torch.Tensor,
                 ids: torch.Tensor, part: slice, bsz: int, routing_probs: torch.Tensor,
-                replayed: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                replayed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """This layer's aux and z losses over the real tokens, weighted by the micro-batch's share;
         summed into the feed and attached to `routing_probs` (when a coefficient is nonzero). Counts
         the replayed routes of real tokens and those that differ from the model's own top-k."""
@@ -188,7 +188,11 @@ class QwenRouter(TopKRouter):
         z = sums[-2] / n
         term = mb.share * (feed.aux_coef * aux + feed.z_coef * z)
         with torch.no_grad():
-            recorded, differ = ((real & replayed[0]).sum(), (real & replayed[1]).sum()) if replayed else (0, 0)
+            recorded, differ = 0, 0
+            if replayed:  # (usable rows, the record, the model's own top-k)
+                usable, rec, own = replayed
+                moved = (rec.sort(dim=-1).values != own.sort(dim=-1).values).any(dim=-1) & usable
+                recorded, differ = (real & usable).sum(), (real & moved).sum()
             feed.sums += torch.stack([torch.as_tensor(v, dtype=feed.sums.dtype, device=feed.sums.device) for v in (
                 term, mb.share * aux / feed.num_layers, mb.share * z / feed.num_layers, differ, recorded)])
         if feed.aux_coef or feed.z_coef:
