@@ -102,6 +102,12 @@ def kernel_breakdown(step: Callable[[], None], device: str = "cuda", top: int = 
     }
 
 
+def profile_note(prof: dict[str, Any]) -> str:
+    """A `kernel_breakdown` in a bench table's note: the GPU's idle ms, then each category's ms."""
+    parts = ", ".join(f"{k} {1e3 * v:.0f}" for k, v in prof["by_category_s"].items())
+    return f"idle {1e3 * prof['idle_s']:.0f}; {parts}"
+
+
 def _median_seconds(step: Callable[[], None], steps: int, device: str) -> float:
     times = []
     for i in range(steps + 1):

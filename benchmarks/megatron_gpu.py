@@ -455,13 +455,12 @@ def _megatron_step(be: Any, batch: Any, obj: Any) -> Any:
 
 def _profile(key: str, make_step: Any, rows: list, details: dict) -> None:
     """GPU time of one step by kernel category (`make_step(batch, objective)` gives the step)."""
-    from benchmarks.gpu_anchor import kernel_breakdown
+    from benchmarks.gpu_anchor import kernel_breakdown, profile_note
 
     prof = kernel_breakdown(make_step(_batch(SEQUENCES, SEQ, SHAPE["vocab_size"]), _objective()), DEVICE, top=20)
     details.setdefault("profile", {})[key] = prof
-    parts = ", ".join(f"{k} {1e3 * v:.0f}" for k, v in prof["by_category_s"].items())
     rows.append(["step profile (GPU ms)", key, prof["wall_s"] * 1e3, "", "", prof["kernel_s"] * 1e3, "",
-                 f"idle {1e3 * prof['idle_s']:.0f}; {parts}"])
+                 profile_note(prof)])
 
 
 def _param_shapes(model_dir: Path) -> list[tuple[int, ...]]:

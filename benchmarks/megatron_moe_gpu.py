@@ -143,7 +143,7 @@ def _time_steps(be: Any, batch: Any, steps: int) -> tuple[float, dict[str, float
 def _profile(be: Any, batch: Any, rows: list, details: dict) -> None:
     """One step (routed by the model) under torch's profiler: GPU time by kernel category and the time
     the GPU waited for the host (the experts are a Python loop: `SequentialMLP`)."""
-    from benchmarks.gpu_anchor import kernel_breakdown
+    from benchmarks.gpu_anchor import kernel_breakdown, profile_note
     from slime_async.config.schema import TrainConfig
     from slime_async.train.objective import Objective
 
@@ -156,9 +156,8 @@ def _profile(be: Any, batch: Any, rows: list, details: dict) -> None:
         details["errors"]["profile"] = traceback.format_exc()
         return
     details["profile"] = prof
-    parts = ", ".join(f"{k} {1e3 * v:.0f}" for k, v in prof["by_category_s"].items())
     rows.append(["step profile (GPU ms)", "routed by the model", "", "", "", prof["wall_s"] * 1e3, "",
-                 f"idle {1e3 * prof['idle_s']:.0f}; {parts}"])
+                 profile_note(prof)])
 
 
 def run(quick: bool = False) -> Result:

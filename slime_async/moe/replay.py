@@ -15,3 +15,9 @@ def usable_routes(rec: torch.Tensor, num_experts: int) -> torch.Tensor:
     ok = ((rec >= 0) & (rec < num_experts)).all(dim=-1)
     srt = rec.sort(dim=-1).values
     return ok & (srt[:, 1:] != srt[:, :-1]).all(dim=-1)
+
+
+def moved_rows(rec: torch.Tensor, own: torch.Tensor, usable: torch.Tensor) -> torch.Tensor:
+    """[tokens] bool: usable rows of `rec` whose set of experts differs from the model's own top-k `own`
+    (the `moe/route_mismatch` count)."""
+    return (rec.sort(dim=-1).values != own.sort(dim=-1).values).any(dim=-1) & usable

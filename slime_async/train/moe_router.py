@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slime_async.moe.replay import usable_routes
+from slime_async.moe.replay import moved_rows, usable_routes
 from slime_async.moe.shape import MoeShape
 
 
@@ -91,9 +91,8 @@ class RouterControl:
                 record = self.routes[:, lo:hi]
                 known = usable_routes(record, shape.num_experts)[:, None]  # the rest route themselves
                 if self.valid is not None:  # how often the engine chose other experts than we would
-                    own, engine = experts.sort(dim=-1).values, record.sort(dim=-1).values
                     counted = known[:, 0] & self.valid
-                    self.differ.append(((own != engine).any(dim=-1) & counted).sum())
+                    self.differ.append(moved_rows(record, experts, counted).sum())
                     self.recorded.append(counted.sum())
                 experts = torch.where(known, record, experts)
                 weights = probs.gather(1, experts)

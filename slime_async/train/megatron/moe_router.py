@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
-from slime_async.moe.replay import usable_routes
+from slime_async.moe.replay import moved_rows, usable_routes
 
 
 @dataclass
@@ -191,8 +191,7 @@ class QwenRouter(TopKRouter):
             recorded, differ = 0, 0
             if replayed:  # (usable rows, the record, the model's own top-k)
                 usable, rec, own = replayed
-                moved = (rec.sort(dim=-1).values != own.sort(dim=-1).values).any(dim=-1) & usable
-                recorded, differ = (real & usable).sum(), (real & moved).sum()
+                recorded, differ = (real & usable).sum(), moved_rows(rec, own, real & usable).sum()
             feed.sums += torch.stack([torch.as_tensor(v, dtype=feed.sums.dtype, device=feed.sums.device) for v in (
                 term, mb.share * aux / feed.num_layers, mb.share * z / feed.num_layers, differ, recorded)])
         if feed.aux_coef or feed.z_coef:
