@@ -35,7 +35,7 @@ def _prompts(n: int, vocab: int) -> list[list[int]]:
     return torch.randint(10, vocab, (n, PROMPT_TOKENS), generator=g).tolist()
 
 
-async def _engine_rate(url: str, prompts: list[list[int]]) -> float:
+async def decode_rate(url: str, prompts: list[list[int]]) -> float:
     body = {"sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one(ids: list[int]) -> int:
@@ -123,7 +123,7 @@ def measure(preset: str, device: str, dtype: str, concurrencies: tuple[int, ...]
             prompts = _prompts(c, model.config.vocab_size)
             engine_runs, hf_runs = [], []
             for _ in range(rounds):
-                engine_runs.append(asyncio.run(_engine_rate(server.url, prompts)))
+                engine_runs.append(asyncio.run(decode_rate(server.url, prompts)))
                 hf_runs.append(_hf_rate(model, prompts))
             engine, hf = max(engine_runs), max(hf_runs)
             details["decode"][c] = {"engine_tok_s": engine, "hf_tok_s": hf, "engine_runs": engine_runs,
