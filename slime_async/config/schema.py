@@ -342,6 +342,11 @@ class MegatronConfig(_Section):
     """On a GPU: linear layers accumulate their weight gradients straight into the float32 gradient
     buffers (Megatron's gradient-accumulation fusion, one GEMM per weight; `megatron/wgrad_fusion.py`),
     instead of a bf16 gradient that is then added to them."""
+    moe_grouped_gemm: bool = True
+    """MoE models: each layer's experts as grouped matrix products over stacked weights (two
+    `torch._grouped_mm` per layer, whatever the number of experts; `megatron/grouped_experts.py`), where
+    False runs Megatron's `SequentialMLP`, a Python loop over the experts (for comparison). Same weights,
+    names and values either way."""
 
 
 class MoeConfig(_Section):

@@ -12,7 +12,9 @@ parameter's full tensor is the concatenation of its tensor-parallel shards along
 - everything else: the HF tensor as it is.
 Layer numbers in Megatron names here are global (the model's `layer_number - 1`), not per stage.
 
-Mixture of experts (Megatron's `SequentialMLP`, one MLP per expert): the router
+Mixture of experts (named as Megatron's `SequentialMLP` names them, one MLP per expert; our grouped
+experts hold them stacked and `train.megatron.weights.global_names` shows one view per expert under
+these names): the router
 `decoder.layers.N.mlp.router.weight` is HF's `model.layers.N.mlp.gate.weight` [experts, hidden];
 expert E's `decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight` is [gate; up] of HF's
 `model.layers.N.mlp.experts.E.{gate,up}_proj.weight` (the dense fc1 layout) and its `linear_fc2` is

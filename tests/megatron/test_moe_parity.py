@@ -319,3 +319,52 @@ def test_the_router_is_set_in_either_form_of_megatrons_moe_spec() -> None:
     for spec in (old, new):
         set_router(spec, QwenRouter)
     assert old.submodules.router is QwenRouter and new.keywords["submodules"].router is QwenRouter
+
+
+def test_grouped_experts_compute_what_sequential_mlp_computes(moe_dir: Path) -> None:
+    """`train.megatron.moe_grouped_gemm` (the default; two `torch._grouped_mm` per layer over stacked
+    weights) against Megatron's SequentialMLP (a loop over the experts) on the same weights: logprobs
+    routed by the model and replayed, and one train step with replay and both router losses (loss,
+    metrics, gradients of every expert, the weights after it)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from slime_async.moe.experts import can_group
+    from slime_async.train.megatron.grouped_experts import GroupedExperts
+
+    batch = batch_of(6)
+    forced = (own_routes(AutoModelForCausalLM.from_pretrained(moe_dir), batch) + 3) % EXPERTS
+    forced[:, 1::4] = -1
+    replayed = batch_with(batch, forced)
+    kw = dict(device="cpu", lr=1e-3, eps=1e-6, grad_clip=0.01, micro_batch_size=2,
+              moe=MoeConfig(aux_loss_coef=0.3, z_loss_coef=0.02))
+    grouped, looped = (MegatronBackend(moe_dir, parallel=MegatronConfig(moe_grouped_gemm=on), **kw)  # type: ignore[arg-type]
+                       for on in (True, False))
+    experts = grouped.module.decoder.layers[0].mlp.experts
+    assert type(experts) is GroupedExperts and type(looped.module.decoder.layers[0].mlp.experts) is SequentialMLP
+    # every expert's [gate; up] and down stacked (tiny-moe: hidden 256, experts of 256)
+    assert experts.weight1.shape == (EXPERTS, 2 * 256, 256) and experts.weight2.shape == (EXPERTS, 256, 256)
+    # the real grouped kernel runs here (torch's CPU kernel in float32), not the per-expert fallback
+    assert can_group(torch.zeros(1, 256), experts.weight1.detach().transpose(1, 2))
+    for b in (batch, replayed):
+        torch.testing.assert_close(grouped.logprobs(b, 0.7).logprobs, looped.logprobs(b, 0.7).logprobs, atol=1e-6,
+                                   rtol=0)
+    obj = Objective(TrainConfig(loss="grpo", entropy_coef=0.01))
+    results = []
+    for be in (grouped, looped):
+        prep = obj.prepare(replayed, be.logprobs(replayed, 1.0).logprobs)
+        results.append(be.train_step(replayed, obj.loss_fn(prep), 1.0, entropy=True))
+    got, want = results
+    assert got.applied and want.applied
+    assert got.loss == pytest.approx(want.loss, rel=1e-6, abs=1e-8)
+    assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-6)
+    assert got.metrics.keys() == want.metrics.keys() and want.metrics["moe/route_mismatch"] > 0.5
+    for k in want.metrics:
+        assert got.metrics[k] == pytest.approx(want.metrics[k], rel=1e-5, abs=1e-7), k
+    got_grads, want_grads = hf_grads(grouped), hf_grads(looped)
+    assert got_grads.keys() == want_grads.keys()
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in got_grads
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-7, rtol=1e-5, msg=name)
+    after = dict(looped.named_weights())
+    for name, tensor in grouped.named_weights():
+        torch.testing.assert_close(tensor, after[name], atol=1e-7, rtol=0, msg=name)

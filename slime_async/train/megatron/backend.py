@@ -109,6 +109,7 @@ class MegatronBackend:
         self.params_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         self.export_dtype = self.params_dtype
         self.attention = self._attention(cfg.attention)
+        self.grouped_experts = cfg.moe_grouped_gemm
         self.fused_logprobs = cfg.fused_logprobs and self.on_gpu  # Inductor's CPU path would need a compiler
         with self._compat():
             self.layout = init_parallel(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.data_parallel, self.device,
@@ -166,7 +167,8 @@ class MegatronBackend:
 
     def _build(self, weights: HFWeights, routes: RouteFeed | None) -> torch.nn.Module:
         model = build_gpt_model(self.shape, self.config, self.attention, pre_process=self.layout.first_stage,
-                                post_process=self.layout.last_stage, device=self.device)
+                                post_process=self.layout.last_stage, device=self.device,
+                                grouped_experts=self.grouped_experts)
         mark_tensor_parallel(model, self.geometry)
         load_hf(model, weights, self.geometry, self.layout)
         for m in model.modules():

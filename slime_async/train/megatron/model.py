@@ -13,12 +13,13 @@ every layer's MLP is Megatron's `MoELayer` with our `moe_router.QwenRouter` (Qwe
 per-token routing replay, our router losses; Megatron's own aux losses are off, see there), the
 all-to-all token dispatcher, no token dropping (no capacity factor), router logits in the hidden
 dtype then softmax in float32 (as HF), and
-experts split over `expert_model_parallel_size` of the tensor x data-parallel ranks. Experts are
-`SequentialMLP`: one Megatron `MLP` per local expert (`mlp.experts.local_experts.i.linear_fc1/2`,
-fc1 = [gate; up] as in the dense MLP), a loop over the experts with tokens. Grouped GEMM is not used:
-Megatron's `TEGroupedMLP` needs Transformer Engine and its legacy `GroupedMLP` the `grouped_gemm`
-package, neither of which is installed here (CPU or the H200); on CPU there is no grouped kernel at
-all. Experts are never split by tensor parallelism (expert tensor parallel size 1: Qwen3-MoE's
+experts split over `expert_model_parallel_size` of the tensor x data-parallel ranks. Experts are our
+`grouped_experts.GroupedExperts` (`train.megatron.moe_grouped_gemm`, the default: every local expert's
+weights stacked, two `torch._grouped_mm` per layer; Megatron's own grouped experts need Transformer
+Engine or the `grouped_gemm` package, installed neither here nor on the GPU machine), or Megatron's
+`SequentialMLP` (one `MLP` per local expert, `mlp.experts.local_experts.i.linear_fc1/2`, fc1 = [gate;
+up] as in the dense MLP, a Python loop over the experts with tokens). Experts are never split by tensor
+parallelism (expert tensor parallel size 1: Qwen3-MoE's
 experts are small matrices, and whole ones need no collective inside an expert). With tensor
 parallelism a MoE model runs Megatron's sequence parallelism, which its MoE layer requires: each
 tensor-parallel rank holds a contiguous part of the sequence outside attention and the output layer,
@@ -268,10 +269,11 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = True  # type: ignore[attr-defined]
 
 
-def layer_spec(shape: ModelShape, attention: AttentionKind, sequence_parallel: bool = False
-               ) -> Any:  # -> ModuleSpec
+def layer_spec(shape: ModelShape, attention: AttentionKind, sequence_parallel: bool = False,
+               grouped_experts: bool = True) -> Any:  # -> ModuleSpec
     """The transformer layer spec: Transformer Engine's, or Megatron's local one with `attention`
-    (`sdpa`: our SDPA core attention; `local`: Megatron's unfused DotProductAttention)."""
+    (`sdpa`: our SDPA core attention; `local`: Megatron's unfused DotProductAttention); for MoE our
+    router, and our grouped experts unless `grouped_experts` is False (then Megatron's SequentialMLP)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     experts = shape.moe.num_experts if shape.moe is not None else None
@@ -297,13 +299,28 @@ def layer_spec(shape: ModelShape, attention: AttentionKind, sequence_parallel: b
         from slime_async.train.megatron.moe_router import QwenRouter
 
         set_router(spec.submodules.mlp, QwenRouter)
+        if grouped_experts:
+            from slime_async.train.megatron.grouped_experts import GroupedExperts
+
+            set_experts(spec.submodules.mlp, GroupedExperts)
     return spec
 
 
-def set_router(mlp: Any, router: type) -> None:
-    """Set the router class of a MoE layer's spec: a ModuleSpec (megatron-core 0.16, CPU here) or
+def _moe_submodules(mlp: Any) -> Any:
+    """The MoESubmodules of a MoE layer's spec: a ModuleSpec (megatron-core 0.16, CPU here) or
     `partial(MoELayer, submodules=MoESubmodules(...))` (0.19, the GPU machine's)."""
-    (mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules).router = router
+    return mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+
+
+def set_router(mlp: Any, router: type) -> None:
+    """Set the router class of a MoE layer's spec (either form, `_moe_submodules`)."""
+    _moe_submodules(mlp).router = router
+
+
+def set_experts(mlp: Any, experts: type) -> None:
+    """Set the experts class of a MoE layer's spec (either form): Megatron builds it with (local experts,
+    config, pg_collection=...) in 0.16 (`build_module` of a class) and 0.19 (a builder callable)."""
+    _moe_submodules(mlp).experts = experts
 
 
 def build_gpt_model(
@@ -314,11 +331,13 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     device: torch.device | str = "cpu",
+    grouped_experts: bool = True,
 ) -> Any:  # -> megatron.core.models.gpt.GPTModel
-    """This stage's GPTModel (uninitialised weights: load them with `convert.load_hf_weights`)."""
+    """This stage's GPTModel (uninitialised weights: load them with `convert.load_hf_weights`);
+    `grouped_experts`: see `layer_spec`."""
     from megatron.core.models.gpt import GPTModel
 
-    spec = layer_spec(shape, attention, config.sequence_parallel)
+    spec = layer_spec(shape, attention, config.sequence_parallel, grouped_experts)
     if config.sequence_parallel and attention != "te":  # the final norm too (Megatron's default refuses it)
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 

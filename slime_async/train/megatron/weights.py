@@ -56,9 +56,16 @@ class HFWeights:
         return self._open[file].get_tensor(name)
 
 
-def global_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+_STACKED = {"weight1": "linear_fc1.weight", "weight2": "linear_fc2.weight"}
+"""`GroupedExperts`' stacked parameters and the per-expert (SequentialMLP) names their slices take."""
+
+
+def global_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name with global layer and expert numbers, parameter) of this stage's model; empty placeholders
-    (which some Transformer Engine layers register for absent biases) are skipped."""
+    (which some Transformer Engine layers register for absent biases) are skipped. A grouped layer's
+    stacked expert weight comes as one view per expert under SequentialMLP's name for that expert
+    (writing into the view writes the parameter), with the matching view of its gradient as `.grad`,
+    so every caller sees one tensor per expert whichever experts module the model runs."""
     local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
     experts = {i: layer.mlp.local_expert_indices for i, layer in enumerate(model.decoder.layers)
                if hasattr(layer.mlp, "local_expert_indices")}
@@ -67,9 +74,17 @@ def global_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Paramet
             continue
         if m := re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name):
             local, rest = int(m.group(1)), m.group(2)
+            prefix = f"decoder.layers.{local_to_global[local]}."
+            if (stacked := re.match(r"^mlp\.experts\.(weight[12])$", rest)) and local in experts:
+                for i, expert in enumerate(experts[local]):
+                    view = param.detach()[i]
+                    if param.grad is not None:
+                        view.grad = param.grad[i]
+                    yield f"{prefix}mlp.experts.local_experts.{expert}.{_STACKED[stacked.group(1)]}", view
+                continue
             if e := re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$", rest):
                 rest = f"mlp.experts.local_experts.{experts[local][int(e.group(1))]}.{e.group(2)}"
-            name = f"decoder.layers.{local_to_global[local]}.{rest}"
+            name = prefix + rest
         yield name, param
 
 
