@@ -7,6 +7,9 @@ small updates), forward and backward run under bf16 autocast, and weights are ex
 (the engines' dtype; half the bytes to publish).
 Logprobs are computed in float32 from the logits whatever the model's dtype, as the engine's
 sampler does (`engine.sampling`: log_softmax(logits / temperature)).
+Qwen3-MoE experts run transformers' own `grouped_mm` implementation (its default where
+`torch._grouped_mm` can run: tokens sorted by expert, two grouped matmuls per layer, no loop over
+experts; `eager`, its loop, otherwise), the computation of `moe.experts`.
 """
 
 from __future__ import annotations

@@ -176,3 +176,25 @@ def test_a_step_reports_how_often_the_record_overrode_the_trainers_own_choice(ti
     # shifted experts everywhere: all of layer 0 differs; later layers see the replayed hidden states,
     # where the trainer's own choice now and then lands on the shifted pair itself
     assert mismatch[0] == 0.0 and mismatch[1] > 0.9
+
+
+def test_experts_run_transformers_grouped_matmuls_which_equal_its_expert_loop(tiny_moe_dir: Path) -> None:
+    """The torch backend's experts are transformers' `grouped_mm` implementation (its default: the
+    sorted tokens through `torch._grouped_mm`, no loop over experts); its loop over experts ("eager")
+    gives the same logprobs and gradients."""
+    be = backend(tiny_moe_dir, micro_batch_size=6, lr=0.0, grad_clip=0.0)
+    assert be.model.config._experts_implementation == "grouped_mm"
+    batch = batch_of()
+    obj = Objective(TrainConfig(loss="grpo"))
+    out = []
+    for impl in ("grouped_mm", "eager"):
+        be.model.set_experts_implementation(impl)
+        lp = be.logprobs(batch, 1.0).logprobs
+        result = be.train_step(batch, obj.loss_fn(obj.prepare(batch, lp)), 1.0)  # lr 0: the weights stay
+        out.append((lp, result.loss, {n: p.grad.clone() for n, p in be.model.named_parameters() if p.grad is not None}))
+    (lp_g, loss_g, grads_g), (lp_e, loss_e, grads_e) = out
+    torch.testing.assert_close(lp_g, lp_e, atol=1e-6, rtol=0)
+    assert loss_g == pytest.approx(loss_e, rel=1e-6)
+    assert grads_g.keys() == grads_e.keys() and any("experts.gate_up_proj" in n for n in grads_g)
+    for n in grads_e:
+        torch.testing.assert_close(grads_g[n], grads_e[n], atol=1e-6, rtol=1e-5, msg=n)
