@@ -5,8 +5,9 @@ renormalised when `norm_topk_prob`, cast back to the hidden dtype) and the exper
 `Qwen3MoeExperts` (SwiGLU; contributions summed in expert order), so the engine's logits equal
 HF's. Two ways to run the experts, same values:
 
-- `sparse`: tokens sorted by expert, each active expert's rows in one matmul (a host sync for the
-  counts): what prefill and the eager decode step use, and the fewest FLOPs on a CPU;
+- `sparse`: (token, expert) rows sorted by expert, all experts' rows in two grouped matmuls
+  (`moe.experts.swiglu_experts`: `torch._grouped_mm`, no loop over experts, no host sync): what
+  prefill and the eager decode step use, and the fewest FLOPs;
 - `dense`: every expert over every token, weighted by a [tokens, experts] matrix that is zero off
   the chosen experts: fixed shapes and no host sync, what a CUDA graph captures (`decode_static`).
   A decode step reads every expert's weights either way once the batch routes to most of them.
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slime_async.moe.experts import group_ends, swiglu_experts
 from slime_async.moe.shape import MoeShape
 
 
@@ -54,22 +56,12 @@ Act = Callable[[torch.Tensor], torch.Tensor]
 
 
 def sparse(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, mlp: MoeMlp, act: Act) -> torch.Tensor:
-    """The experts' weighted sum for h [T, H], one matmul per active expert."""
+    """The experts' weighted sum for h [T, H]: the (token, expert) rows sorted by expert through two
+    grouped matmuls (`moe.experts`), whatever the number of active experts, nothing read on the host."""
     k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)  # token-major within each expert, as HF's index_add order
+    order, offs = group_ends(ids.reshape(-1), mlp.gate_up.shape[0])  # token-major within each expert, as HF
     token = order // k
-    counts = torch.bincount(flat, minlength=mlp.gate_up.shape[0]).tolist()
-    rows = h[token]
-    out = torch.empty_like(rows)
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        seg = slice(start, start + count)
-        gate, up = F.linear(rows[seg], mlp.gate_up[e]).chunk(2, dim=-1)
-        out[seg] = F.linear(act(gate) * up, mlp.down[e])
-        start += count
+    out = swiglu_experts(h[token], offs, mlp.gate_up, mlp.down, act)
     out = out * weights.reshape(-1)[order, None]
     return torch.zeros_like(h).index_add_(0, token, out)
 
