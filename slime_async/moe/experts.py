@@ -28,8 +28,8 @@ def _probe(device: str, dtype: torch.dtype, k: int, n: int) -> bool:
     with the right-hand matrices stored transposed (as expert weights [experts, n, k] are)?"""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    try:
-        with torch.enable_grad():
+    try:  # whatever mode the first caller is in (the engine runs under inference mode)
+        with torch.inference_mode(False), torch.enable_grad():
             x = torch.zeros(16, k, dtype=dtype, device=device, requires_grad=True)
             w = torch.zeros(2, n, k, dtype=dtype, device=device, requires_grad=True)
             offs = torch.tensor([8, 16], dtype=torch.int32, device=device)

@@ -72,3 +72,13 @@ def test_a_dtype_the_kernel_refuses_falls_back_to_the_same_values() -> None:
     e_of = ids[order]
     want = torch.stack([x[i] @ w[e_of[i]] for i in range(len(x))])
     torch.testing.assert_close(ex.grouped_mm(x, w, offs), want, atol=1e-12, rtol=0)
+
+
+def test_the_kernel_probe_is_not_fooled_by_its_first_callers_mode() -> None:
+    """The engine's first call comes under inference mode, where no backward runs: the probe (cached
+    per device, dtype and shape) must still find the kernel, or every later caller would loop."""
+    ex._probe.cache_clear()
+    with torch.inference_mode():
+        assert ex.can_group(torch.zeros(4, 48), torch.zeros(3, 24, 48).transpose(1, 2))
+    with torch.no_grad():
+        assert ex.can_group(torch.zeros(4, 40), torch.zeros(3, 24, 40).transpose(1, 2))
