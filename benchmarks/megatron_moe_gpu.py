@@ -1,11 +1,13 @@
-"""The Megatron backend on a mixture-of-experts model, one CUDA GPU (issue 31): Qwen3-30B-A3B's layer
-shape with fewer layers, random weights, bf16 + Adam.
+"""The Megatron backend on a mixture-of-experts model, one CUDA GPU (issues 31, 39): Qwen3-30B-A3B's layer
+shape with fewer layers, random weights, bf16 + Adam, against a dense model of the same active size.
 
 Shape: hidden 2048, 32 query / 4 key-value heads of 128, 128 experts of intermediate 768, top-8
 (renormalised), untied 151,936 vocabulary, as many layers as the GPU holds, at most 6 (`layers_that_fit`:
 each layer is 0.62B parameters, the embedding and the LM head 0.62B together, at 18 bytes each with
 Megatron's bf16 weights, fp32 gradients, fp32 master weights and Adam moments; 6 layers = 4.4B
 parameters = 79 GB plus activations on a 141 GB H200, 4 on an 80 GB H100: 64 GB at its peak there).
+The dense model has the same layers, attention and vocabulary, and a SwiGLU MLP of width top-k x the
+expert width (8 x 768 = 6144): the parameters a MoE token computes with, bar the router.
 
 - Train step (`MegatronBackend.train_step`, micro-batch 1, sequences of 4096): tokens/s, TFLOP/s and
   MFU counted on the ACTIVE parameters (what a token computes): per token and layer, forward
@@ -13,9 +15,15 @@ parameters = 79 GB plus activations on a 141 GB H200, 4 on an 80 GB H100: 64 GB 
   plus attention's QK^T and PV over the causal half ((s + 1) / 2 keys), and the LM head
   2 x hidden x vocab; forward + backward = 3 x forward (`train_flops`). MFU = achieved / 790 TFLOP/s
   (the bf16 matmul rate measured on the H200, MEASURED.md). The step's router losses are logged
-  (`moe/aux_loss`: 1.0 is balanced; `moe/z_loss`).
-- The same step with routing replay (every token's experts given by a record, as an engine would
-  report them): its cost over routing by the model.
+  (`moe/aux_loss`: 1.0 is balanced; `moe/z_loss`). Rows: the grouped experts (the default,
+  `train.megatron.moe_grouped_gemm`), routed by the model and with routing replay (every token's
+  experts given by a record, as an engine would report them); Megatron's SequentialMLP (a Python loop
+  over the experts, one step); the dense model. The headline's MoE/dense ratio is tokens/s x active
+  parameters, MoE over dense (the active sizes differ by the router's 0.1%).
+- Engine decode (the embedded engine's `SlotModel`, 32 requests of 128-token prompts, one token each
+  per step, the host reading every step's tokens as the engine does): MoE (eager step: grouped experts;
+  CUDA-graph step: every expert over every token, zero-weighted off the chosen ones) against the dense
+  model, tokens/s.
 
 Run: `slime-async bench megatron_moe_gpu`; `--quick` times one step after the warm-up instead of three.
 The module constants shrink everything for the CPU smoke test (tests/megatron/test_moe_bench.py).
@@ -24,6 +32,7 @@ The module constants shrink everything for the CPU smoke test (tests/megatron/te
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import tempfile
 import time
@@ -36,7 +45,8 @@ import torch
 from benchmarks import Result
 
 DESCRIPTION = ("megatron backend on a CUDA GPU, MoE: Qwen3-30B-A3B layers (128 experts, top-8), bf16: "
-               "train-step tokens/s and MFU on active parameters, router losses, routing replay")
+               "train-step tokens/s and MFU on active parameters (grouped experts, SequentialMLP, a dense model "
+               "of the same active size), router losses, routing replay; engine decode MoE vs dense")
 
 CEILING_TFLOPS = 790.0  # bf16 matmul rate measured on the H200 (MEASURED.md)
 DEVICE = "cuda"  # module constants, so that the CPU smoke test can shrink everything
@@ -47,6 +57,9 @@ LAYERS: int | None = None  # None: `layers_that_fit` the GPU
 MAX_LAYERS = 6
 BYTES_PER_PARAM = 18  # bf16 weight, fp32 gradient buffer, fp32 master weight, Adam's two fp32 moments
 HEADROOM = 0.75  # of the GPU's memory for the above; the rest for activations, logits and the allocator
+CONCURRENCY = 32  # engine decode: requests in flight
+PROMPT = 128  # engine decode: prompt tokens per request
+DECODE_STEPS = 32  # engine decode: timed steps (after 3 warm-up steps)
 SHAPE: dict[str, Any] = dict(
     hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
     num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, norm_topk_prob=True,
@@ -69,33 +82,47 @@ def layers_that_fit(gpu_bytes: int) -> int:
     return max(1, min(MAX_LAYERS, int((HEADROOM * gpu_bytes / BYTES_PER_PARAM - ends) // layer)))
 
 
-def train_flops(seq: int, sequences: int, layers: int) -> float:
+def _ffn(dense: bool) -> int:
+    """Multiply-adds per token of one layer's MLP (and router): k experts, or the dense MLP of width k x expert."""
+    h, k, inter = SHAPE["hidden_size"], SHAPE["num_experts_per_tok"], SHAPE["moe_intermediate_size"]
+    return k * 3 * h * inter + (0 if dense else h * SHAPE["num_experts"])
+
+
+def train_flops(seq: int, sequences: int, layers: int, dense: bool = False) -> float:
     """FLOPs of one train step (forward + backward) over `sequences` rows of `seq` tokens, counting the
-    parameters each token is routed through (the active ones), not all experts."""
+    parameters each token is routed through (the active ones), not all experts; `dense`: the dense model."""
     h, heads, kv, hd = SHAPE["hidden_size"], SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], \
         SHAPE["head_dim"]
-    experts, k, inter, vocab = SHAPE["num_experts"], SHAPE["num_experts_per_tok"], SHAPE["moe_intermediate_size"], \
-        SHAPE["vocab_size"]
     q, kvd = heads * hd, kv * hd
-    per_layer = h * (q + 2 * kvd) + q * h + h * experts + k * 3 * h * inter
-    matmul = 2 * layers * per_layer + 2 * h * vocab
+    per_layer = h * (q + 2 * kvd) + q * h + _ffn(dense)
+    matmul = 2 * layers * per_layer + 2 * h * SHAPE["vocab_size"]
     attention = 2 * 2 * layers * q * (seq + 1) / 2
     return 3 * (matmul + attention) * seq * sequences
 
 
-def active_params(layers: int) -> int:
-    """Parameters a token computes with: attention, router, k experts per layer, and the LM head."""
+def active_params(layers: int, dense: bool = False) -> int:
+    """Parameters a token computes with: attention, router, k experts per layer, and the LM head (`dense`:
+    the dense model's, no router)."""
     h, q, kvd = SHAPE["hidden_size"], SHAPE["num_attention_heads"] * SHAPE["head_dim"], \
         SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
-    per_layer = h * (q + 2 * kvd) + q * h + h * SHAPE["num_experts"] + \
-        SHAPE["num_experts_per_tok"] * 3 * h * SHAPE["moe_intermediate_size"]
-    return layers * per_layer + h * SHAPE["vocab_size"]
+    return layers * (h * (q + 2 * kvd) + q * h + _ffn(dense)) + h * SHAPE["vocab_size"]
 
 
-def _make_model(out: Path, layers: int) -> int:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+               "router_aux_loss_coef")
 
-    config = Qwen3MoeConfig(num_hidden_layers=layers, max_position_embeddings=SEQ, **SHAPE)
+
+def _make_model(out: Path, layers: int, dense: bool = False) -> int:
+    """Save a random model (the MoE, or `dense`: Qwen3 with an MLP of width k x expert) to `out`; its parameters."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    if dense:
+        width = SHAPE["num_experts_per_tok"] * SHAPE["moe_intermediate_size"]
+        fields = {k: v for k, v in SHAPE.items() if k not in _MOE_FIELDS}
+        config = Qwen3Config(num_hidden_layers=layers, max_position_embeddings=SEQ, **{**fields,
+                                                                                      "intermediate_size": width})
+    else:
+        config = Qwen3MoeConfig(num_hidden_layers=layers, max_position_embeddings=SEQ, **SHAPE)
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, TRAIN_DTYPE))
@@ -108,6 +135,13 @@ def _make_model(out: Path, layers: int) -> int:
 def _sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
+
+
+def _free() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _replayed(batch: Any, layers: int) -> Any:
@@ -142,7 +176,7 @@ def _time_steps(be: Any, batch: Any, steps: int) -> tuple[float, dict[str, float
 
 def _profile(be: Any, batch: Any, rows: list, details: dict) -> None:
     """One step (routed by the model) under torch's profiler: GPU time by kernel category and the time
-    the GPU waited for the host (the experts are a Python loop: `SequentialMLP`)."""
+    the GPU waited for the host."""
     from benchmarks.gpu_anchor import kernel_breakdown, profile_note
     from slime_async.config.schema import TrainConfig
     from slime_async.train.objective import Objective
@@ -160,56 +194,147 @@ def _profile(be: Any, batch: Any, rows: list, details: dict) -> None:
                  profile_note(prof)])
 
 
+def _train_rows(be: Any, cases: list[tuple[str, Any]], flops: float, steps: int, rows: list, details: dict) -> None:
+    """Time `be`'s train step on each (row name, batch) of `cases`; a failure is a row, not the end."""
+    tokens = SEQUENCES * SEQ
+    for key, b in cases:
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            step_s, metrics = _time_steps(be, b, steps)
+        except Exception:  # keep going: the other rows still report
+            details["errors"][key] = traceback.format_exc()
+            print(details["errors"][key], flush=True)
+            rows.append(["train step", key, "failed", "", "", "", "", traceback.format_exc(limit=1)[-200:]])
+            continue
+        tflops = flops / step_s / 1e12
+        peak = torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else 0.0
+        note = ""
+        if "moe/aux_loss" in metrics:
+            note = f"aux {metrics['moe/aux_loss']:.4f}, z {metrics.get('moe/z_loss', float('nan')):.3g}" + (
+                f", route mismatch {metrics['moe/route_mismatch']:.2f}" if "moe/route_mismatch" in metrics else "")
+        rows.append(["train step", key, tokens / step_s, tflops, 100 * tflops / CEILING_TFLOPS, step_s * 1e3, peak,
+                     note])
+        details["train"][key] = {"step_s": step_s, "tokens": tokens, "tflops": tflops, "tok_s": tokens / step_s,
+                                 "mfu": tflops / CEILING_TFLOPS, "peak_gb": peak, "metrics": metrics}
+
+
+def _backend(model_dir: Path, grouped: bool = True) -> Any:
+    from slime_async.config.schema import MegatronConfig
+    from slime_async.train.megatron.backend import MegatronBackend
+
+    return MegatronBackend(model_dir, device=DEVICE, dtype=TRAIN_DTYPE, micro_batch_size=1,  # type: ignore[arg-type]
+                           lr=1e-5, parallel=MegatronConfig(moe_grouped_gemm=grouped))
+
+
+def decode_rate(model_dir: Path, graphs: bool) -> float:
+    """Engine decode tokens/s: CONCURRENCY requests of PROMPT tokens prefilled, then DECODE_STEPS steps
+    of one token each (after 3 warm-up steps), each step's tokens read on the host as the engine does.
+    `graphs`: the static step (a recorded CUDA graph on a GPU; run as it is elsewhere), else the eager one."""
+    from transformers import AutoModelForCausalLM
+
+    from slime_async.engine.graphs import CudaCapture, EagerDecoder, GraphDecoder, eager_capture
+    from slime_async.engine.model import SlotModel
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, TRAIN_DTYPE)).to(DEVICE).eval()
+    length = PROMPT + DECODE_STEPS + 8
+    slots = SlotModel(model, max_slots=CONCURRENCY, max_len=length, initial_len=length)
+    decoder: Any = (GraphDecoder(slots, CudaCapture() if DEVICE == "cuda" else eager_capture, buckets=[CONCURRENCY])
+                    if graphs else EagerDecoder(slots))
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, SHAPE["vocab_size"], (CONCURRENCY, PROMPT), generator=g).tolist()
+    tokens = slots.prefill_batch(0, prompts).argmax(-1).tolist()
+    positions = [PROMPT] * CONCURRENCY
+    began = 0.0
+    for i in range(3 + DECODE_STEPS):
+        if i == 3:
+            _sync()
+            began = time.perf_counter()
+        tokens = decoder.decode(tokens, positions, record=True).argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+    seconds = time.perf_counter() - began
+    decoder.release()
+    del decoder, slots, model
+    _free()
+    return CONCURRENCY * DECODE_STEPS / seconds
+
+
+def _engine_rows(moe_dir: Path, dense_dir: Path, rows: list, details: dict) -> None:
+    for model, path in (("MoE", moe_dir), ("dense", dense_dir)):
+        for graphs, mode in ((False, "eager step" + (" (grouped experts)" if model == "MoE" else "")),
+                             (True, "CUDA-graph step" + (" (all experts, zero-weighted)" if model == "MoE" else ""))):
+            key = f"{model}, {mode}"
+            try:
+                rate = decode_rate(path, graphs)
+            except Exception:
+                details["errors"][f"decode {key}"] = traceback.format_exc()
+                print(details["errors"][f"decode {key}"], flush=True)
+                rows.append([f"engine decode, {CONCURRENCY} requests", key, "failed", "", "", "", "",
+                             traceback.format_exc(limit=1)[-200:]])
+                continue
+            details["decode"][key] = rate
+            rows.append([f"engine decode, {CONCURRENCY} requests", key, rate, "", "", 1e3 * CONCURRENCY / rate, "",
+                         f"{PROMPT}-token prompts"])
+
+
 def run(quick: bool = False) -> Result:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("megatron_moe_gpu needs a CUDA GPU")
     from benchmarks.megatron_gpu import _batch
-    from slime_async.train.megatron.backend import MegatronBackend
 
     layers = LAYERS or layers_that_fit(torch.cuda.get_device_properties(0).total_memory)
     rows: list[list[Any]] = []
     details: dict[str, Any] = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
                                "shape": {**SHAPE, "num_hidden_layers": layers}, "seq": SEQ, "sequences": SEQUENCES,
                                "ceiling_tflops": CEILING_TFLOPS, "active_params": active_params(layers),
-                               "flops_per_step": train_flops(SEQ, SEQUENCES, layers), "train": {}, "errors": {}}
+                               "dense_active_params": active_params(layers, dense=True),
+                               "flops_per_step": train_flops(SEQ, SEQUENCES, layers), "train": {}, "decode": {},
+                               "errors": {}}
     steps = 1 if quick else 3
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        details["params"] = _make_model(model_dir, layers)
+        moe_dir, dense_dir = Path(tmp) / "moe", Path(tmp) / "dense"
+        details["params"] = _make_model(moe_dir, layers)
+        details["dense_params"] = _make_model(dense_dir, layers, dense=True)
         details["make_model_s"] = time.perf_counter() - began
-        be = MegatronBackend(model_dir, device=DEVICE, dtype=TRAIN_DTYPE, micro_batch_size=1,  # type: ignore[arg-type]
-                             lr=1e-5)
-        details["build_s"] = time.perf_counter() - began - details["make_model_s"]
         batch = _batch(SEQUENCES, SEQ, SHAPE["vocab_size"])
-        flops, tokens = train_flops(SEQ, SEQUENCES, layers), SEQUENCES * SEQ
-        for key, b in (("routed by the model", batch), ("routing replay", _replayed(batch, layers))):
-            if DEVICE == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                step_s, metrics = _time_steps(be, b, steps)
-            except Exception:  # keep going: the other row still reports
-                details["errors"][key] = traceback.format_exc()
-                print(details["errors"][key], flush=True)
-                rows.append(["train step", key, "failed", "", "", "", "", traceback.format_exc(limit=1)[-200:]])
-                continue
-            tflops = flops / step_s / 1e12
-            peak = torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else 0.0
-            rows.append(["train step", key, tokens / step_s, tflops, 100 * tflops / CEILING_TFLOPS, step_s * 1e3,
-                         peak, f"aux {metrics.get('moe/aux_loss', float('nan')):.4f}, "
-                               f"z {metrics.get('moe/z_loss', float('nan')):.3g}"
-                         + (f", route mismatch {metrics['moe/route_mismatch']:.2f}"
-                            if "moe/route_mismatch" in metrics else "")])
-            details["train"][key] = {"step_s": step_s, "tokens": tokens, "tflops": tflops,
-                                     "mfu": tflops / CEILING_TFLOPS, "peak_gb": peak, "metrics": metrics}
+        moe_flops, dense_flops = train_flops(SEQ, SEQUENCES, layers), train_flops(SEQ, SEQUENCES, layers, dense=True)
+        # one backend at a time: an H100 holds one 4-layer MoE with its optimizer state, not two
+        be = _backend(moe_dir)
+        details["build_s"] = time.perf_counter() - began - details["make_model_s"]
+        _train_rows(be, [("routed by the model", batch), ("routing replay", _replayed(batch, layers))], moe_flops,
+                    steps, rows, details)
         _profile(be, batch, rows, details)
+        del be
+        _free()
+        be = _backend(moe_dir, grouped=False)
+        _train_rows(be, [("SequentialMLP, routed by the model", batch)], moe_flops, 1, rows, details)
+        del be
+        _free()
+        be = _backend(dense_dir)
+        _train_rows(be, [("dense, same active parameters", batch)], dense_flops, steps, rows, details)
+        del be
+        _free()
+        _engine_rows(moe_dir, dense_dir, rows, details)
     details["seconds"] = time.perf_counter() - began
-    base = details["train"].get("routed by the model", {})
     return Result(
         columns=["what", "config", "tok/s", "TFLOP/s (active)", "MFU %", "ms", "peak GB", "note"],
-        rows=rows,
-        headline=(f"MoE train step ({layers} Qwen3-30B-A3B layers, {details['params'] / 1e9:.2f}B params, "
-                  f"{details['active_params'] / 1e9:.2f}B active): {base.get('tflops', float('nan')):.0f} TFLOP/s "
-                  f"= {100 * base.get('mfu', float('nan')):.1f}% MFU on active parameters"),
-        details=details,
+        rows=rows, headline=_headline(layers, details), details=details,
     )
+
+
+def _headline(layers: int, details: dict[str, Any]) -> str:
+    nan = float("nan")
+    train, decode = details["train"], details["decode"]
+    moe, seq = train.get("routed by the model", {}), train.get("SequentialMLP, routed by the model", {})
+    dense = train.get("dense, same active parameters", {})
+    per_param = (moe.get("tok_s", nan) * details["active_params"]) / (
+        dense.get("tok_s", nan) * details["dense_active_params"])
+    moe_decode = max((v for k, v in decode.items() if k.startswith("MoE")), default=nan)
+    dense_decode = max((v for k, v in decode.items() if k.startswith("dense")), default=nan)
+    return (f"MoE train step ({layers} Qwen3-30B-A3B layers, {details['params'] / 1e9:.2f}B params, "
+            f"{details['active_params'] / 1e9:.2f}B active): {moe.get('tflops', nan):.0f} TFLOP/s = "
+            f"{100 * moe.get('mfu', nan):.1f}% MFU on active parameters (goal >= 35%), "
+            f"{moe.get('tok_s', nan) / seq.get('tok_s', nan):.1f}x SequentialMLP; tokens/s x active parameters "
+            f"MoE/dense {per_param:.2f}x (goal >= 0.7x); engine decode at {CONCURRENCY} requests MoE/dense "
+            f"{moe_decode / dense_decode:.2f}x tokens/s (the faster step of each; goal >= 0.5x: within 2x)")

@@ -13,19 +13,33 @@ def test_moe_benchmark_runs_shrunk_on_cpu(monkeypatch: pytest.MonkeyPatch) -> No
              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 96,
              "vocab_size": 300}
     for name, value in (("DEVICE", "cpu"), ("TRAIN_DTYPE", "float32"), ("SEQ", 32), ("SEQUENCES", 2),
-                        ("LAYERS", 2), ("SHAPE", shape)):
+                        ("LAYERS", 2), ("SHAPE", shape), ("CONCURRENCY", 32), ("PROMPT", 8),
+                        ("DECODE_STEPS", 2)):
         monkeypatch.setattr(bench, name, value)
     result = bench.run(quick=True)
     assert not result.details["errors"], result.details["errors"]
+    decode = "engine decode, 32 requests"
     assert [r[:2] for r in result.rows] == [["train step", "routed by the model"], ["train step", "routing replay"],
-                                           ["step profile (GPU ms)", "routed by the model"]]
-    for key in ("routed by the model", "routing replay"):
+                                           ["step profile (GPU ms)", "routed by the model"],
+                                           ["train step", "SequentialMLP, routed by the model"],
+                                           ["train step", "dense, same active parameters"],
+                                           [decode, "MoE, eager step (grouped experts)"],
+                                           [decode, "MoE, CUDA-graph step (all experts, zero-weighted)"],
+                                           [decode, "dense, eager step"], [decode, "dense, CUDA-graph step"]]
+    for key in ("routed by the model", "routing replay", "SequentialMLP, routed by the model"):
         train = result.details["train"][key]
         assert train["tflops"] > 0 and train["metrics"]["moe/aux_loss"] > 0.5
+    dense = result.details["train"]["dense, same active parameters"]
+    assert dense["tflops"] > 0 and "moe/aux_loss" not in dense["metrics"]
+    assert all(rate > 0 for rate in result.details["decode"].values()) and len(result.details["decode"]) == 4
+    assert "SequentialMLP" in result.headline and "MoE/dense" in result.headline
     assert result.details["train"]["routing replay"]["metrics"]["moe/route_mismatch"] > 0.3
     # active parameters: 2 layers x (QKV 64 x (64 + 2 x 32), output 64 x 64, router 64 x 8, 2 experts x 3 x 64 x 32)
     # + the LM head 64 x 300
     assert bench.active_params(2) == 2 * (64 * 128 + 64 * 64 + 64 * 8 + 2 * 3 * 64 * 32) + 64 * 300
+    # the dense model: the same without the router, its MLP 2 x 32 wide
+    assert bench.active_params(2, dense=True) == 2 * (64 * 128 + 64 * 64 + 3 * 64 * 64) + 64 * 300
+    assert result.details["dense_params"] == bench.active_params(2, dense=True) + 64 * 300 + 2 * (2 * 64 + 2 * 16) + 64
 
 
 def test_the_moe_benchmark_takes_as_many_layers_as_the_gpu_holds() -> None:
