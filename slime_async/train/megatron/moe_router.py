@@ -173,7 +173,8 @@ class QwenRouter(TopKRouter):
         real = mb.real[:bsz, part].transpose(0, 1).reshape(-1)
         num_experts = probs.shape[1]
         counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
-        counts.index_add_(0, ids[real].reshape(-1), torch.ones_like(ids[real].reshape(-1), dtype=probs.dtype))
+        # the mask multiplies rather than indexes: indexing by it would make the host wait for the GPU
+        counts.index_add_(0, ids.reshape(-1), real.to(probs.dtype).repeat_interleave(ids.shape[1]))
         sums = torch.cat([counts, (probs * real[:, None]).sum(0),
                           (torch.logsumexp(logits, dim=-1).square() * real).sum()[None],
                           real.sum()[None].to(probs.dtype)])
