@@ -293,3 +293,24 @@ def test_grouped_sparse_experts_equal_the_loop_over_experts(hf_moe: torch.nn.Mod
         torch.testing.assert_close(got, loop_over_experts(h, weights, ids, mlp, F.silu), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(got, moe.dense(h, weights, ids, mlp, F.silu), atol=1e-5, rtol=1e-5)
     assert got.abs().max() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_sparse_experts_in_bfloat16_on_a_gpu_equal_the_loop_over_experts(moe_dir: Path) -> None:
+    """bf16 on a GPU: the eager step's grouped experts (torch's CUTLASS grouped GEMM on Hopper) against
+    one cuBLAS matmul per expert, 32 decode rows, to bf16 rounding."""
+    import torch.nn.functional as F
+
+    from slime_async.engine import moe
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.bfloat16).to("cuda").eval()
+    shape = moe_shape(model.config)
+    assert shape is not None
+    mlp = moe.moe_mlp(model.model.layers[1].mlp)
+    h = torch.randn(32, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        weights, ids = moe.route(h, mlp, shape)
+        got = moe.sparse(h, weights, ids, mlp, F.silu)
+        want = loop_over_experts(h, weights, ids, mlp, F.silu)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * float(want.abs().max()), rtol=2e-2)
