@@ -190,7 +190,7 @@ def _profile(be: Any, batch: Any, rows: list, details: dict) -> None:
         details["errors"]["profile"] = traceback.format_exc()
         return
     details["profile"] = prof
-    rows.append(["step profile (GPU ms)", "routed by the model", "", "", "", prof["wall_s"] * 1e3, "",
+    _add(rows, ["step profile (GPU ms)", "routed by the model", "", "", "", prof["wall_s"] * 1e3, "",
                  profile_note(prof)])
 
 
@@ -205,7 +205,7 @@ def _train_rows(be: Any, cases: list[tuple[str, Any]], flops: float, steps: int,
         except Exception:  # keep going: the other rows still report
             details["errors"][key] = traceback.format_exc()
             print(details["errors"][key], flush=True)
-            rows.append(["train step", key, "failed", "", "", "", "", traceback.format_exc(limit=1)[-200:]])
+            _add(rows, ["train step", key, "failed", "", "", "", "", traceback.format_exc(limit=1)[-200:]])
             continue
         tflops = flops / step_s / 1e12
         peak = torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else 0.0
@@ -213,7 +213,7 @@ def _train_rows(be: Any, cases: list[tuple[str, Any]], flops: float, steps: int,
         if "moe/aux_loss" in metrics:
             note = f"aux {metrics['moe/aux_loss']:.4f}, z {metrics.get('moe/z_loss', float('nan')):.3g}" + (
                 f", route mismatch {metrics['moe/route_mismatch']:.2f}" if "moe/route_mismatch" in metrics else "")
-        rows.append(["train step", key, tokens / step_s, tflops, 100 * tflops / CEILING_TFLOPS, step_s * 1e3, peak,
+        _add(rows, ["train step", key, tokens / step_s, tflops, 100 * tflops / CEILING_TFLOPS, step_s * 1e3, peak,
                      note])
         details["train"][key] = {"step_s": step_s, "tokens": tokens, "tflops": tflops, "tok_s": tokens / step_s,
                                  "mfu": tflops / CEILING_TFLOPS, "peak_gb": peak, "metrics": metrics}
@@ -227,10 +227,10 @@ def _backend(model_dir: Path, grouped: bool = True) -> Any:
                            lr=1e-5, parallel=MegatronConfig(moe_grouped_gemm=grouped))
 
 
-def decode_rate(model_dir: Path, graphs: bool) -> float:
-    """Engine decode tokens/s: CONCURRENCY requests of PROMPT tokens prefilled, then DECODE_STEPS steps
-    of one token each (after 3 warm-up steps), each step's tokens read on the host as the engine does.
-    `graphs`: the static step (a recorded CUDA graph on a GPU; run as it is elsewhere), else the eager one."""
+def decode_rates(model_dir: Path) -> dict[bool, float]:
+    """Engine decode tokens/s of the eager step (False) and the static step (True: a recorded CUDA graph
+    on a GPU, run as it is elsewhere): CONCURRENCY requests of PROMPT tokens prefilled, then DECODE_STEPS
+    steps of one token each (after 3 warm-up steps), each step's tokens read on the host as the engine does."""
     from transformers import AutoModelForCausalLM
 
     from slime_async.engine.graphs import CudaCapture, EagerDecoder, GraphDecoder, eager_capture
@@ -238,43 +238,53 @@ def decode_rate(model_dir: Path, graphs: bool) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, TRAIN_DTYPE)).to(DEVICE).eval()
     length = PROMPT + DECODE_STEPS + 8
-    slots = SlotModel(model, max_slots=CONCURRENCY, max_len=length, initial_len=length)
-    decoder: Any = (GraphDecoder(slots, CudaCapture() if DEVICE == "cuda" else eager_capture, buckets=[CONCURRENCY])
-                    if graphs else EagerDecoder(slots))
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, SHAPE["vocab_size"], (CONCURRENCY, PROMPT), generator=g).tolist()
-    tokens = slots.prefill_batch(0, prompts).argmax(-1).tolist()
-    positions = [PROMPT] * CONCURRENCY
-    began = 0.0
-    for i in range(3 + DECODE_STEPS):
-        if i == 3:
-            _sync()
-            began = time.perf_counter()
-        tokens = decoder.decode(tokens, positions, record=True).argmax(-1).tolist()
-        positions = [p + 1 for p in positions]
-    seconds = time.perf_counter() - began
-    decoder.release()
-    del decoder, slots, model
+    rates = {}
+    for graphs in (False, True):
+        slots = SlotModel(model, max_slots=CONCURRENCY, max_len=length, initial_len=length)
+        decoder: Any = (GraphDecoder(slots, CudaCapture() if DEVICE == "cuda" else eager_capture,
+                                     buckets=[CONCURRENCY]) if graphs else EagerDecoder(slots))
+        tokens = slots.prefill_batch(0, prompts).argmax(-1).tolist()
+        positions = [PROMPT] * CONCURRENCY
+        began = 0.0
+        for i in range(3 + DECODE_STEPS):
+            if i == 3:
+                _sync()
+                began = time.perf_counter()
+            tokens = decoder.decode(tokens, positions, record=True).argmax(-1).tolist()
+            positions = [p + 1 for p in positions]
+        rates[graphs] = CONCURRENCY * DECODE_STEPS / (time.perf_counter() - began)
+        decoder.release()
+        del decoder, slots
+    del model
     _free()
-    return CONCURRENCY * DECODE_STEPS / seconds
+    return rates
 
 
 def _engine_rows(moe_dir: Path, dense_dir: Path, rows: list, details: dict) -> None:
     for model, path in (("MoE", moe_dir), ("dense", dense_dir)):
-        for graphs, mode in ((False, "eager step" + (" (grouped experts)" if model == "MoE" else "")),
-                             (True, "CUDA-graph step" + (" (all experts, zero-weighted)" if model == "MoE" else ""))):
+        modes = {False: "eager step" + (" (grouped experts)" if model == "MoE" else ""),
+                 True: "CUDA-graph step" + (" (all experts, zero-weighted)" if model == "MoE" else "")}
+        try:
+            rates = decode_rates(path)
+        except Exception:
+            details["errors"][f"decode {model}"] = traceback.format_exc()
+            print(details["errors"][f"decode {model}"], flush=True)
+            _add(rows, [f"engine decode, {CONCURRENCY} requests", model, "failed", "", "", "", "",
+                        traceback.format_exc(limit=1)[-200:]])
+            continue
+        for graphs, mode in modes.items():
             key = f"{model}, {mode}"
-            try:
-                rate = decode_rate(path, graphs)
-            except Exception:
-                details["errors"][f"decode {key}"] = traceback.format_exc()
-                print(details["errors"][f"decode {key}"], flush=True)
-                rows.append([f"engine decode, {CONCURRENCY} requests", key, "failed", "", "", "", "",
-                             traceback.format_exc(limit=1)[-200:]])
-                continue
-            details["decode"][key] = rate
-            rows.append([f"engine decode, {CONCURRENCY} requests", key, rate, "", "", 1e3 * CONCURRENCY / rate, "",
-                         f"{PROMPT}-token prompts"])
+            details["decode"][key] = rates[graphs]
+            _add(rows, [f"engine decode, {CONCURRENCY} requests", key, rates[graphs], "", "", 1e3 * CONCURRENCY /
+                        rates[graphs], "", f"{PROMPT}-token prompts"])
+
+
+def _add(rows: list, row: list) -> None:
+    """Append a table row and print it at once (a run cut short still shows what it measured)."""
+    rows.append(row)
+    print("row:", row, flush=True)
 
 
 def run(quick: bool = False) -> Result:
@@ -299,22 +309,32 @@ def run(quick: bool = False) -> Result:
         details["make_model_s"] = time.perf_counter() - began
         batch = _batch(SEQUENCES, SEQ, SHAPE["vocab_size"])
         moe_flops, dense_flops = train_flops(SEQ, SEQUENCES, layers), train_flops(SEQ, SEQUENCES, layers, dense=True)
+        replayed = _replayed(batch, layers)
+
         # one backend at a time: an H100 holds one 4-layer MoE with its optimizer state, not two
-        be = _backend(moe_dir)
-        details["build_s"] = time.perf_counter() - began - details["make_model_s"]
-        _train_rows(be, [("routed by the model", batch), ("routing replay", _replayed(batch, layers))], moe_flops,
-                    steps, rows, details)
-        _profile(be, batch, rows, details)
-        del be
-        _free()
-        be = _backend(moe_dir, grouped=False)
-        _train_rows(be, [("SequentialMLP, routed by the model", batch)], moe_flops, 1, rows, details)
-        del be
-        _free()
-        be = _backend(dense_dir)
-        _train_rows(be, [("dense, same active parameters", batch)], dense_flops, steps, rows, details)
-        del be
-        _free()
+        def grouped() -> None:
+            be = _backend(moe_dir)
+            details["build_s"] = time.perf_counter() - began - details["make_model_s"]
+            _train_rows(be, [("routed by the model", batch), ("routing replay", replayed)], moe_flops, steps, rows,
+                        details)
+            _profile(be, batch, rows, details)
+
+        def sequential() -> None:
+            _train_rows(_backend(moe_dir, grouped=False), [("SequentialMLP, routed by the model", batch)], moe_flops,
+                        1, rows, details)
+
+        def dense() -> None:
+            _train_rows(_backend(dense_dir), [("dense, same active parameters", batch)], dense_flops, steps, rows,
+                        details)
+
+        for name, phase in (("grouped", grouped), ("sequential", sequential), ("dense", dense)):
+            try:
+                phase()
+            except Exception:  # a backend that cannot be built: said, and the other phases still run
+                details["errors"][name] = traceback.format_exc()
+                print(details["errors"][name], flush=True)
+                _add(rows, ["train step", name, "failed", "", "", "", "", traceback.format_exc(limit=1)[-200:]])
+            _free()
         _engine_rows(moe_dir, dense_dir, rows, details)
     details["seconds"] = time.perf_counter() - began
     return Result(
