@@ -49,9 +49,12 @@ class GroupedExperts(MegatronModule):
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * inter, hidden, **kw))  # type: ignore[arg-type]
         self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, hidden, inter, **kw))  # type: ignore[arg-type]
         # Megatron's DDP and optimizer reduce a parameter flagged `allreduce = False` over the expert
-        # data-parallel ranks only (SequentialMLP's linear layers are flagged the same way)
+        # data-parallel ranks (tensor x data-parallel ranks / expert parallel: every rank holding the same
+        # experts); its linear layers flag an expert's weights so under the same condition as here
+        expert_groups = (config.expert_model_parallel_size > 1
+                         or config.expert_tensor_parallel_size != config.tensor_model_parallel_size)
         for w in (self.weight1, self.weight2):
-            w.allreduce = config.expert_model_parallel_size == 1  # type: ignore[attr-defined]
+            w.allreduce = not expert_groups  # type: ignore[attr-defined]
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
                 **unused: Any) -> tuple[torch.Tensor, None]:
