@@ -41,8 +41,10 @@ def _probe(device: str, dtype: torch.dtype, k: int, n: int) -> bool:
 
 
 def can_group(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `grouped_mm(x, w, ...)` runs `torch._grouped_mm` (else the per-expert fallback)."""
-    return x.dtype == w.dtype and _probe(str(x.device), x.dtype, w.shape[-2], w.shape[-1])
+    """Whether `grouped_mm(x, w, ...)` runs `torch._grouped_mm` (else the per-expert fallback). Its CUDA
+    kernel also wants both tensors to start at a 16-byte boundary (a weight inside a flat buffer may not)."""
+    return (x.dtype == w.dtype and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and _probe(str(x.device), x.dtype, w.shape[-2], w.shape[-1]))
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -82,3 +82,16 @@ def test_the_kernel_probe_is_not_fooled_by_its_first_callers_mode() -> None:
         assert ex.can_group(torch.zeros(4, 48), torch.zeros(3, 24, 48).transpose(1, 2))
     with torch.no_grad():
         assert ex.can_group(torch.zeros(4, 40), torch.zeros(3, 24, 40).transpose(1, 2))
+
+
+def test_a_weight_off_a_16_byte_boundary_takes_the_fallback_with_the_same_values() -> None:
+    """A stacked weight inside a flat buffer (as DDP lays parameters out) may start 4 bytes in."""
+    g = torch.Generator().manual_seed(4)
+    ids = routed()
+    _, offs = ex.group_ends(ids, 6)
+    x = torch.randn(len(ids), 32, generator=g)
+    flat = torch.randn(1 + 6 * 16 * 32, generator=g)
+    w = flat[1:].view(6, 16, 32).transpose(1, 2)
+    assert not ex.can_group(x, w)
+    torch.testing.assert_close(ex.grouped_mm(x, w, offs), torch._grouped_mm(x, w.contiguous(), offs=offs), atol=1e-5,
+                               rtol=1e-5)
