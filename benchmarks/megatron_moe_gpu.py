@@ -219,6 +219,18 @@ def _train_rows(be: Any, cases: list[tuple[str, Any]], flops: float, steps: int,
                                  "mfu": tflops / CEILING_TFLOPS, "peak_gb": peak, "metrics": metrics}
 
 
+def _kernel(be: Any) -> str:
+    """What the grouped experts of every layer run: torch's grouped GEMM, or (a weight it refuses) the
+    per-expert fallback."""
+    from slime_async.moe.experts import can_group
+
+    ok = True
+    for layer in be.module.decoder.layers:
+        for w in (layer.mlp.experts.weight1, layer.mlp.experts.weight2):
+            ok &= can_group(torch.zeros(16, w.shape[-1], dtype=w.dtype, device=w.device), w.detach().transpose(1, 2))
+    return "torch._grouped_mm" if ok else "per-expert fallback"
+
+
 def _backend(model_dir: Path, grouped: bool = True) -> Any:
     from slime_async.config.schema import MegatronConfig
     from slime_async.train.megatron.backend import MegatronBackend
@@ -315,6 +327,8 @@ def run(quick: bool = False) -> Result:
         def grouped() -> None:
             be = _backend(moe_dir)
             details["build_s"] = time.perf_counter() - began - details["make_model_s"]
+            details["grouped_kernel"] = _kernel(be)
+            print("grouped experts run", details["grouped_kernel"], flush=True)
             _train_rows(be, [("routed by the model", batch), ("routing replay", replayed)], moe_flops, steps, rows,
                         details)
             _profile(be, batch, rows, details)

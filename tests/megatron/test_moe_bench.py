@@ -33,6 +33,7 @@ def test_moe_benchmark_runs_shrunk_on_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     assert dense["tflops"] > 0 and "moe/aux_loss" not in dense["metrics"]
     assert all(rate > 0 for rate in result.details["decode"].values()) and len(result.details["decode"]) == 4
     assert "SequentialMLP" in result.headline and "MoE/dense" in result.headline
+    assert result.details["grouped_kernel"] == "torch._grouped_mm"
     assert result.details["train"]["routing replay"]["metrics"]["moe/route_mismatch"] > 0.3
     # active parameters: 2 layers x (QKV 64 x (64 + 2 x 32), output 64 x 64, router 64 x 8, 2 experts x 3 x 64 x 32)
     # + the LM head 64 x 300
