@@ -1,7 +1,8 @@
 """The `megatron` trainer backend: megatron-core's GPT model behind the `TrainerBackend` interface.
 
 Owns: building a megatron-core `GPTModel` shaped like a HF Qwen2/Qwen3/Llama model (`model`), with
-torch SDPA core attention when Transformer Engine is absent (`sdpa_attention`); loading and exporting
+torch SDPA core attention when Transformer Engine is absent (`sdpa_attention`), and for Qwen3-MoE our
+router (`moe_router`) and grouped experts (`grouped_experts`); loading and exporting
 its weights in HF names across tensor/pipeline-parallel shards (`weights`, using the name and layout
 mapping in `sync.megatron_names`); process groups (`parallel`); vocab-parallel logprobs and entropy
 (`logprobs`); the optimizer step (`optimizer`: Megatron's DDP and optimizer on GPU, torch AdamW on
