@@ -24,6 +24,7 @@ release fits the GPU's torch, so the lists can be redone for it.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -50,19 +51,67 @@ TRIM = {
 }
 
 
+class _RemoteFile(io.RawIOBase):
+    """A wheel on the index read by HTTP range requests: `zipfile` reads its directory and METADATA
+    (a few KiB) instead of downloading hundreds of MB per release to learn one pin."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.pos = url, 0
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=60) as resp:
+            self.size = int(resp.headers["Content-Length"])
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
+        return self.pos
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+        if self.pos >= self.size:
+            return 0
+        end = min(self.pos + len(buffer), self.size) - 1
+        request = urllib.request.Request(self.url, headers={"Range": f"bytes={self.pos}-{end}"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            data = resp.read()
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def requires(package: str, version: str, files: list[dict]) -> list[str]:
+    """`Requires-Dist` of `package==version`'s x86-64 wheel, read from its METADATA remotely."""
+    wheel = next((f for f in files if f["filename"].startswith(f"{package.replace('-', '_')}-{version}-")
+                  and f["filename"].endswith(".whl") and "aarch64" not in f["filename"]), None)
+    if wheel is None:
+        return []
+    with zipfile.ZipFile(io.BufferedReader(_RemoteFile(wheel["url"]), buffer_size=1 << 16)) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        return [ln.split(":", 1)[1].strip() for ln in z.read(meta).decode().splitlines()
+                if ln.startswith("Requires-Dist:")]
+
+
 def resolve(package: str, torch_version: str = GPU_TORCH) -> str:
-    """The newest release of `package` whose metadata pins torch==`torch_version` (PyPI's JSON API)."""
-    with urllib.request.urlopen(f"https://pypi.org/pypi/{package}/json", timeout=60) as resp:
-        releases = json.load(resp)["releases"]
+    """The newest release of `package` whose metadata pins torch==`torch_version` (the index's simple
+    JSON API, then each candidate wheel's METADATA by range requests)."""
+    request = urllib.request.Request(f"https://pypi.org/simple/{package}/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        index = json.load(resp)
     pattern = re.compile(rf"^torch\s*==\s*{re.escape(torch_version)}(\s|;|$)")
 
     def key(v: str) -> tuple:
         return tuple(int(p) if p.isdigit() else -1 for p in re.split(r"[.+]", v))
 
-    for version in sorted((v for v in releases if re.fullmatch(r"[\d.]+", v)), key=key, reverse=True):
-        with urllib.request.urlopen(f"https://pypi.org/pypi/{package}/{version}/json", timeout=60) as resp:
-            requires = json.load(resp)["info"].get("requires_dist") or []
-        torch_pins = [r for r in requires if r.startswith("torch") and "extra" not in r]
+    for version in sorted((v for v in index["versions"] if re.fullmatch(r"[\d.]+", v)), key=key, reverse=True):
+        torch_pins = [r for r in requires(package, version, index["files"])
+                      if re.match(r"torch\b", r) and "extra" not in r]
         print(f"{package} {version}: {', '.join(torch_pins) or 'no torch pin'}")
         if any(pattern.match(r) for r in torch_pins):
             return version
