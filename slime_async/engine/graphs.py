@@ -73,7 +73,17 @@ class GraphDecoder:
         """Graphs recorded so far (each bucket once per cache size)."""
 
     def release(self) -> None:
+        self._drop()
+
+    def _drop(self) -> None:
+        if not self._graphs:
+            return
         self._graphs.clear()
+        # Once the last graph of a memory pool is gone, torch frees the pool, and a capture into its
+        # old handle fails (an internal assert in the caching allocator): the next ones take a new pool.
+        new_pool = getattr(self._capture, "new_pool", None)
+        if new_pool is not None:
+            new_pool()
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -84,7 +94,7 @@ class GraphDecoder:
         n = len(tokens)
         self.slots.ensure_capacity(max(positions) + 1)
         if self._generation != self.slots.generation:
-            self._graphs.clear()
+            self._drop()
             self._generation = self.slots.generation
         b = self.bucket(n)
         pad = b - n
@@ -117,6 +127,10 @@ class CudaCapture:
     """Records a step into a CUDA graph; every graph shares one memory pool."""
 
     def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def new_pool(self) -> None:
+        """Record into a fresh pool from now on (call once every graph of the current one is dropped)."""
         self.pool = torch.cuda.graph_pool_handle()
 
     def __call__(self, step: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:

@@ -3,10 +3,12 @@ the static step (what CUDA graphs capture) against the dynamic one."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from slime_async.engine.graphs import EagerDecoder, GraphDecoder, default_buckets, eager_capture
+from slime_async.engine.graphs import CudaCapture, EagerDecoder, GraphDecoder, default_buckets, eager_capture
 from slime_async.engine.model import SlotModel
 
 
@@ -101,6 +103,58 @@ def test_graph_decoder_pads_to_buckets_and_follows_the_cache(reference: torch.nn
     graphs.release()  # e.g. release_memory_occupation: recorded again at the next step
     graphs.decode(tokens, positions)
     assert graphs.captures == 4
+
+
+class _Pools:
+    """`eager_capture` that counts the pools it was told to start (as `CudaCapture.new_pool`)."""
+
+    def __init__(self) -> None:
+        self.pools = 1
+
+    def __call__(self, step):  # type: ignore[no-untyped-def]
+        return eager_capture(step)
+
+    def new_pool(self) -> None:
+        self.pools += 1
+
+
+def test_dropped_graphs_leave_their_pool_behind(reference: torch.nn.Module) -> None:
+    """When the cache grows or memory is released every graph is dropped, and with them torch frees
+    their pool: the decoder records into a new one from then on (CPU: the plumbing; the GPU test
+    below: the real allocator, which refuses a freed pool's handle)."""
+    slots = SlotModel(reference, max_slots=2, max_len=64, initial_len=8)
+    capture = _Pools()
+    graphs = GraphDecoder(slots, capture, buckets=[2])
+    slots.prefill(0, [5, 6, 7])
+    graphs.decode([1], [3])
+    assert capture.pools == 1  # the first recording uses the first pool
+    graphs.decode([1], [9])  # capacity 8 -> 16: graphs dropped
+    assert slots.capacity == 16 and capture.pools == 2 and graphs.captures == 2
+    graphs.release()
+    graphs.decode([1], [10])
+    assert capture.pools == 3 and graphs.captures == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_recording_again_after_the_cache_grows_on_a_gpu(reference: torch.nn.Module) -> None:
+    """A long request grows the cache: its graphs are recorded again, in a new pool (into the old
+    pool's handle torch failed an internal assert and the engine aborted every request)."""
+    model = copy.deepcopy(reference).to("cuda")  # the session's model stays on the CPU
+    slots = SlotModel(model, max_slots=2, max_len=64, initial_len=8)
+    eager_slots = SlotModel(model, max_slots=2, max_len=64, initial_len=8)
+    graphs, eager = GraphDecoder(slots, CudaCapture(), buckets=[1, 2]), EagerDecoder(eager_slots)
+    for s in (slots, eager_slots):
+        s.prefill(0, [5, 6, 7])
+    token = 1
+    for position in range(3, 20):  # 8 -> 16 -> 32
+        a = eager.decode([token], [position])
+        b = graphs.decode([token], [position])
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=0)
+        token = int(a.argmax(-1)[0])
+    graphs.release()  # as release_memory_occupation does
+    torch.testing.assert_close(graphs.decode([token], [20]), eager.decode([token], [20]), atol=1e-3, rtol=0)
+    assert slots.capacity == 32 and graphs.captures == 4
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
