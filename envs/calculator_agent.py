@@ -3,6 +3,8 @@
 `run` is what a user would write without knowing this project: a chat-completions loop with one
 tool, `calculate`, that the agent runs itself, and its own check of the answer as the reward. It
 never sees tokens, logprobs or versions; the endpoint records them (`slime_async.agents`).
+`run_anthropic` (the `anthropic` SDK, `/v1/messages`) and `run_responses` (the `openai` SDK's
+Responses API) are the same agent in the other two APIs: the same tokens for the same replies.
 
 `CalculatorAgentEnv` gives it the calculator's tasks and demonstrations (for the warm-start) and
 the calculator's arguments: with `render_tools: false` (the default here, as the calculator env's
@@ -17,6 +19,7 @@ import json
 import weakref
 from typing import Any
 
+from anthropic import AsyncAnthropic
 from openai import AsyncOpenAI
 
 from envs.arith import ExpressionError, evaluate
@@ -68,6 +71,47 @@ async def run(task: Task, base_url: str, api_key: str) -> float:
         for call in reply.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)})
     answer = final_number(reply.content or "") if reply is not None and not reply.tool_calls else None
+    return float(answer is not None and answer == task.answer)
+
+
+async def run_anthropic(task: Task, base_url: str, api_key: str) -> float:
+    """`run` with the `anthropic` SDK: tool_use blocks in, tool_result blocks out."""
+    tools = [{"name": "calculate", "description": TOOLS[0]["function"]["description"],
+              "input_schema": TOOLS[0]["function"]["parameters"]}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task.prompt}]
+    text = None
+    async with AsyncAnthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0) as client:
+        for _ in range(4):
+            # max_tokens is required here (and honoured): configs/calculator_agent.yaml's max_new_tokens
+            reply = await client.messages.create(model="policy", max_tokens=48, messages=messages, tools=tools)
+            messages.append({"role": "assistant", "content": reply.content})
+            calls = [b for b in reply.content if b.type == "tool_use"]
+            text = None if calls else "".join(b.text for b in reply.content if b.type == "text")
+            if not calls:
+                break
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": c.id, "content": calculate(json.dumps(c.input))}
+                for c in calls]})  # fmt: skip
+    answer = final_number(text) if text is not None else None
+    return float(answer is not None and answer == task.answer)
+
+
+async def run_responses(task: Task, base_url: str, api_key: str) -> float:
+    """`run` with the Responses API: function_call items in, function_call_output items out."""
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    items: list[Any] = [{"role": "user", "content": task.prompt}]
+    text = None
+    client = client_for(base_url, api_key)
+    for _ in range(4):
+        response = await client.responses.create(model="policy", input=items, tools=tools)
+        items += response.output
+        calls = [o for o in response.output if o.type == "function_call"]
+        text = None if calls else response.output_text
+        if not calls:
+            break
+        items += [{"type": "function_call_output", "call_id": c.call_id, "output": calculate(c.arguments)}
+                  for c in calls]
+    answer = final_number(text) if text is not None else None
     return float(answer is not None and answer == task.answer)
 
 

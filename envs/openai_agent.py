@@ -6,9 +6,10 @@
     data: {source: jsonl, path: tasks.jsonl}
 
 `run(task, base_url, api_key)` makes its model calls at `base_url` with `api_key` and returns its
-reward (or None). See docs/agents.md.
+reward (or None). An agent that is a program of its own (its own virtualenv): `CommandAgentEnv`,
+`args: {command: [/path/to/venv/bin/python, my_agent.py]}`. See docs/agents.md.
 """
 
-from slime_async.agents import AgentArgs, AgentEnv
+from slime_async.agents import AgentArgs, AgentEnv, CommandAgentEnv, CommandArgs
 
-__all__ = ["AgentArgs", "AgentEnv"]
+__all__ = ["AgentArgs", "AgentEnv", "CommandAgentEnv", "CommandArgs"]

@@ -25,7 +25,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from slime_async.agents.server import shared_server
+from slime_async.agents.server import opened_session
 from slime_async.env import Env, EnvArgs, EnvLoadError
 from slime_async.env.driven import DrivenEpisode
 from slime_async.env.loading import import_named
@@ -56,14 +56,10 @@ class AgentEnv(Env):
 
     async def drive(self, session: DrivenEpisode) -> float | None:
         agent = load_agent(self.args.agent)
-        server = await shared_server()
-        sid, base_url, api_key = server.open(session, render_tools=self.args.render_tools)
-        try:
+        async with opened_session(session, self.args.render_tools) as (base_url, api_key):
             if inspect.iscoroutinefunction(agent):
                 return await agent(self.task, base_url, api_key)
             return await asyncio.to_thread(agent, self.task, base_url, api_key)
-        finally:
-            server.release(sid)
 
 
 @functools.cache

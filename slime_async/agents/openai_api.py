@@ -1,4 +1,4 @@
-"""OpenAI's Chat Completions shapes: the request as this endpoint accepts it, the reply and its SSE chunks.
+"""OpenAI's Chat Completions API (`ChatApi`): the request as this endpoint accepts it, the reply and its SSE chunks.
 
 The request is decoded by msgspec into `ChatRequest`: unknown fields are refused (the error names
 them), and so are known fields at values this endpoint cannot honour (`unsupported`), never
@@ -9,12 +9,22 @@ reference: `chat.completion` objects, or `chat.completion.chunk` SSE events endi
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from slime_async.agents.protocol import (
+    Api,
+    Call,
+    arguments,
+    arguments_json,
+    decoder,
+    function_schema,
+    over,
+    refuse,
+    sse,
+)
 from slime_async.env import Sampling
 from slime_async.env.driven import BadCall, Completion
 from slime_async.types import Message, ToolCall, new_id
@@ -96,18 +106,36 @@ class ChatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     store: bool | None = None
 
 
-_DECODER = msgspec.json.Decoder(ChatRequest)
+decode_request = decoder(ChatRequest)
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-def decode_request(body: bytes) -> ChatRequest:
-    """The request, or BadCall naming what is wrong (malformed JSON, an unknown field, a bad value)."""
-    try:
-        return _DECODER.decode(body)
-    except msgspec.ValidationError as exc:
-        raise BadCall(f"invalid request: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadCall(f"the body is not JSON: {exc}") from None
+class ChatApi(Api):
+    """`POST /v1/chat/completions`."""
+
+    name = "chat.completions"
+
+    def call(self, body: bytes, default: Sampling) -> Call:
+        req = decode_request(body)
+        refuse(unsupported(req))
+        tools = tool_schemas(req)
+        return Call(request=req, messages=to_messages(req), tools=tools, sampling=to_sampling(req, default),
+                    n=req.n or 1, parse_tools=bool(tools) and req.tool_choice != "none", stream=bool(req.stream),
+                    model=req.model)
+
+    def reply(self, call: Call, completions: list[Completion], tokenizer: Any) -> Any:
+        return completion_object(completions, call.model, bool(call.request.logprobs), tokenizer)
+
+    def events(self, call: Call, completions: list[Completion]) -> list[bytes]:
+        options = call.request.stream_options
+        include_usage = options is not None and options.include_usage
+        return [sse(chunk) for chunk in chunks(completions, call.model, include_usage)] + [b"data: [DONE]\n\n"]
+
+    def error(self, status: int, message: str, code: str | None = None) -> Any:
+        return error_object(message, _KINDS.get(status, "invalid_request_error"), code)
+
+
+_KINDS = {401: "authentication_error", 404: "invalid_request_error"}
 
 
 def unsupported(req: ChatRequest) -> list[str]:
@@ -138,8 +166,9 @@ def to_messages(req: ChatRequest) -> list[Message]:
         if m.audio is not None or m.function_call is not None:
             raise BadCall(f"{where}: audio and function_call are not supported (use tool_calls)")
         content = _text(m.content, where)
-        calls = [ToolCall(id=c.id, name=c.function.name, arguments=_arguments(c.function.arguments, f"{where}."
-                          f"tool_calls[{j}]")) for j, c in enumerate(m.tool_calls or [])]
+        calls = [ToolCall(id=c.id, name=c.function.name,
+                          arguments=arguments(c.function.arguments, f"{where}.tool_calls[{j}].function.arguments"))
+                 for j, c in enumerate(m.tool_calls or [])]
         if calls and role != "assistant":
             raise BadCall(f"{where}.tool_calls: only assistant messages make calls")
         if role == "tool" and m.tool_call_id is None:
@@ -150,23 +179,15 @@ def to_messages(req: ChatRequest) -> list[Message]:
 
 def to_sampling(req: ChatRequest, default: Sampling) -> Sampling:
     """The request's sampling parameters over the episode's defaults."""
-    changes: dict[str, Any] = {}
-    if req.temperature is not None:
-        changes["temperature"] = req.temperature
-    if req.top_p is not None:
-        changes["top_p"] = req.top_p
-    limit = req.max_completion_tokens or req.max_tokens
-    if limit is not None:
-        changes["max_new_tokens"] = limit
-    if req.stop is not None:
-        changes["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
-    if req.seed is not None:
-        changes["sampling_seed"] = req.seed
-    return msgspec.structs.replace(default, **changes) if changes else default
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    return over(default, temperature=req.temperature, top_p=req.top_p,
+                max_new_tokens=req.max_completion_tokens or req.max_tokens, stop=stop, sampling_seed=req.seed)
 
 
 def tool_schemas(req: ChatRequest) -> list[dict[str, Any]] | None:
-    return [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
+    """The tools as the chat template takes them: the fields given, no nulls (as every API's)."""
+    functions = [t.function for t in req.tools or []]
+    return [function_schema(f.name, f.description, f.parameters, f.strict) for f in functions] or None
 
 
 def _text(content: str | list[_Part] | None, where: str) -> str:
@@ -178,18 +199,6 @@ def _text(content: str | list[_Part] | None, where: str) -> str:
             raise BadCall(f"{where}.content[{j}]: only text parts are supported, not {part.type!r}")
         parts.append(part.text)
     return "".join(parts)
-
-
-def _arguments(raw: str | dict[str, Any], where: str) -> dict[str, Any]:
-    if isinstance(raw, dict):
-        return raw
-    try:
-        value = json.loads(raw) if raw.strip() else {}
-    except json.JSONDecodeError as exc:
-        raise BadCall(f"{where}.function.arguments: not JSON ({exc.msg})") from None
-    if not isinstance(value, dict):
-        raise BadCall(f"{where}.function.arguments: not a JSON object")
-    return value
 
 
 # ---- replies -----------------------------------------------------------------------------------
@@ -204,7 +213,7 @@ def _message_out(message: Message) -> dict[str, Any]:
 
 def _call_out(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+            "function": {"name": call.name, "arguments": arguments_json(call)}}
 
 
 def _logprobs_out(c: Completion, tokenizer: Any) -> dict[str, Any]:

@@ -1,15 +1,18 @@
-"""The OpenAI-compatible endpoint (aiohttp): one per rollout process, one session per episode.
+"""The agent endpoint (aiohttp): one per rollout process, one session per episode, three APIs.
 
 Each episode of an agent env opens a session and hands its agent a base URL of its own,
 `http://127.0.0.1:PORT/s/<session>/v1`, and an API key of its own; one agent program can so run
 many episodes at once, each call landing in its episode. Routes:
 
-- `POST /s/<session>/v1/chat/completions`: the session's model call (`DrivenEpisode.complete`),
-  through the rollout worker's own SGLang client (same servers, sticky routing, retries, abort and
-  resume across weight updates: a call during an update waits, it does not fail);
+- `POST /s/<session>/v1/chat/completions` (OpenAI Chat Completions), `/v1/messages` (Anthropic
+  Messages) and `/v1/responses` (OpenAI Responses): the session's model call (`DrivenEpisode.complete`,
+  the same token bookkeeping whichever API an agent speaks, even several in one episode), through the
+  rollout worker's own SGLang client (same servers, sticky routing, retries, abort and resume across
+  weight updates: a call during an update waits, it does not fail);
 - `GET /s/<session>/v1/models` and `GET /v1/models`: the one model served.
 
-Errors have OpenAI's shape and a 4xx status (an SDK retries 5xx and 409, which would only repeat
+The key comes as `Authorization: Bearer` (OpenAI's clients) or `x-api-key` (Anthropic's). Errors
+have the API's own shape and a 4xx status (an SDK retries 5xx and 409, which would only repeat
 them): 400 for a request that cannot be honoured (it names the field) or an episode that is over,
 401 for a wrong key, 404 for an unknown or released session, 413 for a body over `max_body_bytes`.
 Binds to loopback: the agents run in the same process or on the same machine.
@@ -18,16 +21,22 @@ Binds to loopback: the agents run in the same process or on the same machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hmac
 import time
 import weakref
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from slime_async.agents import openai_api as api
+from slime_async.agents.anthropic_api import MessagesApi
+from slime_async.agents.openai_api import ChatApi
+from slime_async.agents.protocol import Api
+from slime_async.agents.responses_api import ResponsesApi
 from slime_async.env.driven import BadCall, DrivenEpisode, EpisodeOver
 from slime_async.types import new_id
 
@@ -50,7 +59,7 @@ class AgentServer:
         self.max_body_bytes = max_body_bytes
         self.sessions: dict[str, _Session] = {}
         self.calls = 0
-        """Chat completions answered (errors included)."""
+        """Model calls answered, in any API (errors included)."""
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -58,7 +67,8 @@ class AgentServer:
         app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/s/{sid}/v1/models", self._models)
-        app.router.add_post("/s/{sid}/v1/chat/completions", self._chat)
+        for path, api in (("chat/completions", ChatApi()), ("messages", MessagesApi()), ("responses", ResponsesApi())):
+            app.router.add_post("/s/{sid}/v1/" + path, functools.partial(self._serve, api=api))
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -88,39 +98,33 @@ class AgentServer:
         entry = {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "slime-async"}
         return _json({"object": "list", "data": [entry]})
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, api: Api) -> web.StreamResponse:
+        """One model call in `api`'s format: the session, its key, the call, the reply or its error."""
         self.calls += 1
         session = self.sessions.get(request.match_info["sid"])
         if session is None:
-            return _error(404, "unknown session (never opened, or its episode has ended)", code="unknown_session")
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            return _error(api, 404, "unknown session (never opened, or its episode has ended)", "unknown_session")
+        # `Authorization: Bearer` (OpenAI's clients) or `x-api-key` (Anthropic's)
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip() or request.headers.get(
+            "x-api-key", "")
         if not hmac.compare_digest(given.encode("utf-8", "replace"), session.key.encode()):
-            return _error(401, "wrong API key for this session", kind="authentication_error", code="invalid_api_key")
+            return _error(api, 401, "wrong API key for this session", "invalid_api_key")
+        episode = session.episode
         try:
-            req = api.decode_request(await request.read())
-            problems = api.unsupported(req)
-            if problems:
-                raise BadCall("cannot be honoured: " + "; ".join(problems))
-            messages = api.to_messages(req)
-            episode = session.episode
-            tools = api.tool_schemas(req)
-            completions = await episode.complete(
-                messages, tools=tools, sampling=api.to_sampling(req, episode.sampling), n=req.n or 1,
-                parse_tools=bool(tools) and req.tool_choice != "none", render_tools=session.render_tools,
-            )  # fmt: skip
+            call = api.call(await request.read(), episode.sampling)
+            completions = await episode.complete(call.messages, tools=call.tools, sampling=call.sampling, n=call.n,
+                                                 parse_tools=call.parse_tools, render_tools=session.render_tools)
         except BadCall as exc:
-            return _error(400, str(exc))
+            return _error(api, 400, str(exc))
         except EpisodeOver as exc:
-            return _error(400, str(exc), code="episode_over")
-        model = req.model or self.model
-        if not req.stream:
-            return _json(api.completion_object(completions, model, bool(req.logprobs), episode.tokenizer))
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return _error(api, 400, str(exc), "episode_over")
+        call.model = call.model or self.model
+        if not call.stream:
+            return _json(api.reply(call, completions, episode.tokenizer))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        for chunk in api.chunks(completions, model, include_usage):
-            await resp.write(b"data: " + _JSON.encode(chunk) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
+        for event in api.events(call, completions):
+            await resp.write(event)
         await resp.write_eof()
         return resp
 
@@ -129,8 +133,8 @@ def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=_JSON.encode(obj), status=status, content_type="application/json")
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
-    return _json(api.error_object(message, kind, code), status)
+def _error(api: Api, status: int, message: str, code: str | None = None) -> web.Response:
+    return _json(api.error(status, message, code), status)
 
 
 _SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Future[AgentServer]] = (
@@ -153,6 +157,17 @@ async def shared_server() -> AgentServer:
             raise
         started.set_result(server)
     return await asyncio.shield(started)
+
+
+@contextlib.asynccontextmanager
+async def opened_session(episode: DrivenEpisode, render_tools: bool = True) -> AsyncIterator[tuple[str, str]]:
+    """A session of this loop's server for `episode`, as (base URL, API key), released on exit."""
+    server = await shared_server()
+    sid, base_url, api_key = server.open(episode, render_tools=render_tools)
+    try:
+        yield base_url, api_key
+    finally:
+        server.release(sid)
 
 
 async def close_shared_server() -> None:

@@ -68,6 +68,8 @@ class Completion(msgspec.Struct, kw_only=True):
     """Tokens of the context the sample continued."""
     parse_errors: list[str] = []
     """Malformed tool calls; the reply's text then holds them verbatim and no call is returned."""
+    stop: str | None = None
+    """The stop string that ended the reply (left out of `message.content`; the tokens keep it)."""
 
 
 class DrivenEpisode(_Episode):
@@ -239,8 +241,9 @@ class DrivenEpisode(_Episode):
             if parsed.errors:  # the text as it is, so that the agent sees what the model wrote
                 self.counts["parse_errors"] += 1
                 content = renderer.text(ids)
+            matched = None
             if gen.finish_reason == "stop" and not parsed.tool_calls:
-                content = _trim_stop(content, sampling.stop)
+                content, matched = _trim_stop(content, sampling.stop)
             calls = [] if parsed.errors else parsed.tool_calls
             message = Message(role="assistant", content=content, tool_calls=calls)
             renderer.add_completion(ids, message)
@@ -250,16 +253,16 @@ class DrivenEpisode(_Episode):
             finish = "length" if gen.finish_reason == "length" else "tool_calls" if calls else "stop"
             out.append(Completion(message=message, finish_reason=finish, completion_ids=ids,
                                   logprobs=[float(x) for x in gen.logprobs], prompt_tokens=context,
-                                  parse_errors=list(parsed.errors)))
+                                  parse_errors=list(parsed.errors), stop=matched))
         self.counts["total_tokens"] = len(self.renderer.ids) if self.renderer is not None else 0
         if self.counts["tool_calls"] > self.limits.max_tool_calls:
             raise self._end(StopReason.MAX_TOOL_CALLS, f"at most {self.limits.max_tool_calls} tool calls")
         return out
 
 
-def _trim_stop(text: str, stops: list[str]) -> str:
-    """The text without the stop string that ended it (OpenAI leaves it out; the tokens keep it)."""
+def _trim_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """The text without the stop string that ended it (the APIs leave it out; the tokens keep it), and it."""
     for stop in stops:
         if stop and text.endswith(stop):
-            return text[: -len(stop)]
-    return text
+            return text[: -len(stop)], stop
+    return text, None

@@ -1,6 +1,7 @@
 """Agent programs the tests train through the endpoint, named in env args as `blackbox_agents:NAME`.
 
-They are what users write: plain HTTP, the `openai` SDK (async and sync), the OpenAI Agents SDK.
+They are what users write: plain HTTP, the `openai` SDK (async and sync; chat completions and
+responses), the OpenAI Agents SDK, the `anthropic` SDK.
 """
 
 from __future__ import annotations
@@ -10,23 +11,32 @@ import json
 from typing import Any
 
 import aiohttp
+from anthropic import AsyncAnthropic
 from openai import AsyncOpenAI, OpenAI
 
 from envs.calculator_agent import TOOLS, calculate
 from slime_async.types import Task
 
+ANTHROPIC_TOOLS = [{"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
+                   for f in (t["function"] for t in TOOLS)]
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
 
 async def probe(task: Task, base_url: str, api_key: str) -> None:
-    """Sends `task.metadata["requests"]` as they are (JSON values, or raw strings as bodies) and
-    records each answer's status and JSON in `task.metadata["answers"]`."""
+    """Sends `task.metadata["requests"]` as they are (JSON values, or raw strings as bodies) to
+    `task.metadata["route"]` (default chat/completions) and records each answer's status and JSON
+    (or its SSE text) in `task.metadata["answers"]`."""
     answers = task.metadata["answers"]
-    headers = {"Authorization": f"Bearer {task.metadata.get('key', api_key)}"}
-    url = task.metadata.get("url", base_url) + "/chat/completions"
+    key = task.metadata.get("key", api_key)
+    header = task.metadata.get("key_header", "Authorization")  # Anthropic's clients send x-api-key
+    headers = {header: f"Bearer {key}" if header == "Authorization" else key}
+    url = task.metadata.get("url", base_url) + "/" + task.metadata.get("route", "chat/completions")
     async with aiohttp.ClientSession() as http:
         for body in task.metadata["requests"]:
             kwargs: dict[str, Any] = {"data": body} if isinstance(body, str) else {"json": body}
             async with http.post(url, headers=headers, **kwargs) as resp:
-                answers.append((resp.status, await resp.json(content_type=None)))
+                sse = resp.content_type == "text/event-stream"
+                answers.append((resp.status, await resp.text() if sse else await resp.json(content_type=None)))
 
 
 async def openai_calculator(task: Task, base_url: str, api_key: str) -> float:
@@ -152,3 +162,89 @@ async def agents_sdk_calculator(task: Task, base_url: str, api_key: str) -> floa
         await client.close()
     task.metadata["final_output"] = str(result.final_output)
     return 1.0
+
+
+async def anthropic_calculator(task: Task, base_url: str, api_key: str) -> float:
+    """The calculator loop with the `anthropic` SDK: tool_use blocks in, tool_result blocks out."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task.prompt}]
+    async with AsyncAnthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0) as client:
+        for _ in range(3):
+            reply = await client.messages.create(model="policy", max_tokens=48, messages=messages,
+                                                 tools=ANTHROPIC_TOOLS)
+            messages.append({"role": "assistant", "content": reply.content})
+            calls = [b for b in reply.content if b.type == "tool_use"]
+            if not calls:
+                break
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": b.id, "content": calculate(json.dumps(b.input))}
+                for b in calls]})  # fmt: skip
+    task.metadata["stop_reason"] = reply.stop_reason
+    task.metadata["final"] = "".join(b.text for b in reply.content if b.type == "text")
+    return 1.0
+
+
+async def anthropic_streaming(task: Task, base_url: str, api_key: str) -> float:
+    """The first call twice, plain and streamed (the SDK's `messages.stream` assembles the events)."""
+    messages = [{"role": "user", "content": task.prompt}]
+    async with AsyncAnthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0) as client:
+        plain = await client.messages.create(model="policy", max_tokens=48, messages=messages, tools=ANTHROPIC_TOOLS)
+        events = []
+        async with client.messages.stream(model="policy", max_tokens=48, messages=messages,
+                                          tools=ANTHROPIC_TOOLS) as stream:
+            async for event in stream:
+                events.append(event.type)
+            streamed = await stream.get_final_message()
+    task.metadata["plain"], task.metadata["streamed"] = plain.model_dump(), streamed.model_dump()
+    task.metadata["events"] = events
+    return 1.0
+
+
+async def responses_calculator(task: Task, base_url: str, api_key: str) -> float:
+    """The calculator loop with the Responses API: function_call items in, function_call_output out."""
+    items: list[Any] = [{"role": "user", "content": task.prompt}]
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        for _ in range(3):
+            response = await client.responses.create(model="policy", input=items, tools=RESPONSES_TOOLS)
+            items += response.output
+            calls = [o for o in response.output if o.type == "function_call"]
+            if not calls:
+                break
+            items += [{"type": "function_call_output", "call_id": c.call_id, "output": calculate(c.arguments)}
+                      for c in calls]
+    task.metadata["status"], task.metadata["final"] = response.status, response.output_text
+    return 1.0
+
+
+async def responses_streaming(task: Task, base_url: str, api_key: str) -> float:
+    """The first call twice, plain and streamed (the SDK's `responses.stream` assembles the events)."""
+    items = [{"role": "user", "content": task.prompt}]
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        plain = await client.responses.create(model="policy", input=items, tools=RESPONSES_TOOLS)
+        events = []
+        async with client.responses.stream(model="policy", input=items, tools=RESPONSES_TOOLS) as stream:
+            async for event in stream:
+                events.append(event.type)
+            streamed = await stream.get_final_response()
+    task.metadata["plain"], task.metadata["streamed"] = plain.model_dump(), streamed.model_dump()
+    task.metadata["events"] = events
+    return 1.0
+
+
+async def compacting(task: Task, base_url: str, api_key: str) -> None:
+    """A long-horizon harness in each API (`task.metadata["api"]`): two calls, then its context
+    compacted into a summary (the history rewritten), then one more call on the compacted context."""
+    api = task.metadata["api"]
+    history: list[dict[str, Any]] = [{"role": "user", "content": task.prompt}]
+    summary = [{"role": "user", "content": "Summary of the work so far: nothing yet. Go on."}]
+    if api == "anthropic":
+        async with AsyncAnthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0) as client:
+            for _ in range(2):
+                reply = await client.messages.create(model="policy", max_tokens=4, messages=history)
+                history += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "more"}]
+            await client.messages.create(model="policy", max_tokens=4, messages=summary)
+    else:
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            for _ in range(2):
+                response = await client.responses.create(model="policy", input=history, max_output_tokens=4)
+                history += [*response.output, {"role": "user", "content": "more"}]
+            await client.responses.create(model="policy", input=summary, max_output_tokens=4)

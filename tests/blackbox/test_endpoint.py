@@ -28,7 +28,8 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 
 async def play(tokenizer: Any, agent: str, replies: list[str], task: Task | None = None, **kwargs: Any) -> Trajectory:
     limits = kwargs.pop("limits", None)
-    env = AgentEnv(AgentEnv.Args(agent=f"blackbox_agents:{agent}", **({"limits": limits} if limits else {})))
+    name = agent if ":" in agent else f"blackbox_agents:{agent}"
+    env = AgentEnv(AgentEnv.Args(agent=name, **({"limits": limits} if limits else {})))
     task = task or Task(id="t", prompt="What is 12*34+5?", answer=413, metadata={"answers": []})
     try:
         return await run_episode(env, task, ScriptedPolicy(replies, tokenizer), tokenizer, **kwargs)
