@@ -3,7 +3,8 @@
 `POST /v1/messages` (the `anthropic` SDK and the harnesses built on it take the base URL *without*
 `/v1`: `base_url.removesuffix("/v1")`). The request maps onto the session's conversation:
 
-- `system` (a string or text blocks) is a system message;
+- `system` (a string or text blocks) is a system message, and so is a message of role `system`
+  (Claude Code sends its environment so);
 - an assistant message's text blocks are its content, its `tool_use` blocks its tool calls;
 - a user message's `tool_result` blocks are tool messages (answering `tool_use_id`), its text blocks
   a user message, in their order;
@@ -11,8 +12,11 @@
 
 So a reply echoed back (`{"role": "assistant", "content": reply.content}`) is the message the session
 holds, and the conversation goes on token for token. Unknown fields are refused; so are values this
-endpoint cannot honour (images, documents, thinking, a forced tool choice), each named. `cache_control`
-marks and `metadata` change nothing about generation and are accepted. Replies follow the API
+endpoint cannot honour (images, documents, thinking enabled, a forced tool choice, structured output,
+context edits other than clearing thinking), each named. `cache_control` marks and `metadata` change
+nothing about generation and are accepted; so are `thinking: adaptive`, `output_config.effort` and
+`context_management` edits that clear thinking, which Claude Code sends on every call and which a model
+that does not think honours as it is. Replies follow the API
 reference: a `message` object, or the SSE events `message_start`, `content_block_start` /
 `content_block_delta` (`text_delta`, `input_json_delta`) / `content_block_stop`, `message_delta`,
 `message_stop`.
@@ -50,7 +54,7 @@ class _Block(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class _MessageIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: what Claude Code sends amid the conversation
     content: str | list[_Block]
 
 
@@ -74,6 +78,19 @@ class _Thinking(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     budget_tokens: int | None = None
 
 
+class _Edit(msgspec.Struct, kw_only=True):
+    type: str
+
+
+class _ContextManagement(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    edits: list[_Edit] = []
+
+
+class _OutputConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    effort: str | None = None
+    format: dict[str, Any] | None = None
+
+
 class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/messages`, the fields this endpoint knows."""
 
@@ -89,6 +106,8 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
     thinking: _Thinking | None = None
+    context_management: _ContextManagement | None = None
+    output_config: _OutputConfig | None = None
     # informational: they change nothing about what is generated
     metadata: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None
@@ -107,8 +126,18 @@ def unsupported(req: MessagesRequest) -> list[str]:
                    "a tool here)")
     if choice is not None and choice.disable_parallel_tool_use:
         out.append("tool_choice.disable_parallel_tool_use: not enforced (the model may reply with several calls)")
-    if req.thinking is not None and req.thinking.type != "disabled":
-        out.append(f"thinking.type: {req.thinking.type!r}: extended thinking is not supported (only 'disabled')")
+    # "adaptive" leaves thinking to the model, "disabled" turns it off: both are what happens here
+    if req.thinking is not None and req.thinking.type not in ("disabled", "adaptive"):
+        out.append(f"thinking.type: {req.thinking.type!r}: extended thinking is not supported ('disabled', "
+                   "'adaptive')")
+    # clearing thinking blocks from the context: there are none (Claude Code asks for it on every call)
+    for j, edit in enumerate(req.context_management.edits if req.context_management else []):
+        if not edit.type.startswith("clear_thinking"):
+            out.append(f"context_management.edits[{j}].type: {edit.type!r}: the session does not edit the context "
+                       "(only clear_thinking, a no-op: replies hold no thinking)")
+    # effort is a reasoning model's hint (Claude Code sends it): nothing to honour for a model that does not reason
+    if req.output_config is not None and req.output_config.format is not None:
+        out.append("output_config.format: structured output is not supported")
     return out
 
 
@@ -121,6 +150,8 @@ def to_messages(req: MessagesRequest) -> list[Message]:
         where = f"messages[{i}]"
         if isinstance(m.content, str):
             out.append(Message(role=m.role, content=m.content))
+        elif m.role == "system":
+            out.append(Message(role="system", content=_text(m.content, where + ".content")))
         elif m.role == "assistant":
             out.append(_assistant(m.content, where))
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 from typing import Any
 
 import aiohttp
@@ -248,3 +249,19 @@ async def compacting(task: Task, base_url: str, api_key: str) -> None:
                 response = await client.responses.create(model="policy", input=history, max_output_tokens=4)
                 history += [*response.output, {"role": "user", "content": "more"}]
             await client.responses.create(model="policy", input=summary, max_output_tokens=4)
+
+
+async def claude_code(task: Task, base_url: str, api_key: str) -> float:
+    """The Claude Agent SDK (`query`), which runs the Claude Code CLI bundled in its wheel: a CLI coding
+    agent, offline, its one tool Bash, speaking Anthropic's Messages API (streamed) to the endpoint."""
+    from claude_agent_sdk import ClaudeAgentOptions, ResultMessage, query
+
+    with tempfile.TemporaryDirectory() as home:
+        env = {"ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": api_key, "HOME": home,
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}  # nothing but the endpoint
+        options = ClaudeAgentOptions(model="policy", tools=["Bash"], allowed_tools=["Bash"], max_turns=3, cwd=home,
+                                     system_prompt="Compute with Bash, then answer.", env=env)
+        async for message in query(prompt=task.prompt, options=options):
+            if isinstance(message, ResultMessage):
+                task.metadata["result"], task.metadata["is_error"] = message.result, message.is_error
+    return 1.0

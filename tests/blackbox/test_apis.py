@@ -14,6 +14,7 @@ from test_endpoint import play, probe_task
 from transformers import AutoTokenizer
 
 from envs.calculator import demo_replies
+from slime_async.env import Limits
 from slime_async.types import StopReason, Task
 
 REPLIES = demo_replies(Task(id="c", prompt="", answer=413, metadata={"steps": ["12*34+5"]}))
@@ -64,7 +65,10 @@ BAD_MESSAGES = [
     (message(tool_choice={"type": "auto", "disable_parallel_tool_use": True}), "disable_parallel_tool_use"),
     (message(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking.type: 'enabled'"),
     (message(temperature=1.5), "$.temperature"),
-    (message(messages=[{"role": "system", "content": "hi"}]), "$.messages[0].role"),
+    (message(messages=[{"role": "robot", "content": "hi"}]), "$.messages[0].role"),
+    (message(context_management={"edits": [{"type": "clear_tool_uses_20250919"}]}),
+     "context_management.edits[0].type: 'clear_tool_uses_20250919'"),
+    (message(output_config={"format": {"type": "json_schema"}}), "output_config.format"),
     (message(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
      "messages[0].content[0]: 'image' blocks are not supported"),
     (message(messages=[{"role": "user", "content": [{"type": "text", "text": "hi", "colour": "red"}]}]),
@@ -80,7 +84,9 @@ BAD_MESSAGES = [
 
 
 async def test_bad_messages_get_a_400_that_names_the_field_and_the_session_goes_on(tokenizer: Any) -> None:
-    task = probe_task(*[body for body, _ in BAD_MESSAGES], message(stop_sequences=["END"], system="Be brief."),
+    fine = message(stop_sequences=["END"], system="Be brief.", thinking={"type": "adaptive"}, output_config={
+        "effort": "high"}, context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]})
+    task = probe_task(*[body for body, _ in BAD_MESSAGES], fine,
                       route="messages", key_header="x-api-key")
     traj = await play(tokenizer, "probe", ["done END"], task)
     answers = task.metadata["answers"]
@@ -176,3 +182,19 @@ async def test_a_streamed_response_sends_the_responses_events_in_order(tokenizer
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[3]["delta"] == '{"expression": "12*34+5"}'
     assert events[-1]["response"]["output"][0]["name"] == "calculate"
+
+
+@pytest.mark.slow  # a CLI process start (~2 s of CPU) and Claude Code's 2,800-token prompt
+async def test_claude_code_runs_its_bash_tool_through_the_endpoint(tokenizer: Any) -> None:
+    """A CLI coding agent from the registry (the Claude Agent SDK's bundled Claude Code), offline: its
+    Bash tool runs the model's command, the output comes back as a tool result that continues the
+    conversation token for token, and what the agent reports is the model's last reply."""
+    call = '<tool_call>{"name": "Bash", "arguments": {"command": "echo $((12*34+5))", "description": "x"}}</tool_call>'
+    task = calc_task()
+    traj = await play(tokenizer, "claude_code", [call, "The answer is 413."], task,
+                      limits=Limits(max_total_tokens=20_000))
+    assert traj.stop_reason is StopReason.DONE, traj.error
+    assert len(traj.turns) == 2 and traj.metrics["tool_calls"] == 1 and traj.metrics["new_branches"] == 0
+    assert tokenizer.decode(traj.turns[1].prompt_ids.tolist()).startswith(
+        "\n<|im_start|>user\n<tool_response>413</tool_response>")  # what Bash printed
+    assert task.metadata == {"result": "The answer is 413.", "is_error": False}
