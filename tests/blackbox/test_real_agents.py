@@ -1,5 +1,6 @@
 """Real agent code against a real embedded engine, through the endpoint: the `openai` SDK (async,
-streaming) and the OpenAI Agents SDK. What they record must be what the engine generated."""
+streaming; chat completions and responses), the OpenAI Agents SDK, the `anthropic` SDK. What they
+record must be what the engine generated."""
 
 from __future__ import annotations
 
@@ -38,13 +39,14 @@ async def episode(engine: EngineProcess, tokenizer: Any, task: Task, agent: str,
         await close_shared_server()
 
 
-async def assert_engine_generated(engine: EngineProcess, traj: Trajectory) -> None:
+async def assert_engine_generated(engine: EngineProcess, traj: Trajectory, segments: bool = False) -> None:
     """Every turn's tokens and logprobs are what the engine gives for that context (greedy), and the
-    loss mask covers exactly the generated tokens."""
+    loss mask covers exactly the generated tokens. A turn that starts a new segment (allowed with
+    `segments`) has the whole context as its prompt."""
     context: list[int] = []
     for turn in traj.turns:
-        assert not turn.new_branch
-        context += turn.prompt_ids.tolist()
+        assert segments or not turn.new_branch
+        context = (context if not turn.new_branch else []) + turn.prompt_ids.tolist()
         n = len(turn.completion_ids)
         status, answer = await post(engine.url, "/generate", {
             "input_ids": context, "return_logprob": True,
@@ -55,8 +57,9 @@ async def assert_engine_generated(engine: EngineProcess, traj: Trajectory) -> No
         np.testing.assert_allclose(turn.logprobs, expected, atol=1e-4)
         assert turn.versions.tolist() == [0] * n and turn.loss_mask.tolist() == [1] * n
         context += turn.completion_ids.tolist()
-    ids, _, mask = traj.flat()
-    assert ids.tolist() == context and int(mask.sum()) == traj.num_completion_tokens
+    pieces = traj.segments()
+    assert pieces[-1][0].tolist() == context and len(pieces) == 1 + sum(t.new_branch for t in traj.turns)
+    assert sum(int(mask.sum()) for _, _, mask in pieces) == traj.num_completion_tokens
 
 
 async def test_the_openai_sdk_agent_trains_on_exactly_what_the_engine_generated(
@@ -82,6 +85,77 @@ async def test_the_openai_agents_sdk_agent_runs_unchanged(tool_engine: EnginePro
     reply = tokenizer.decode(traj.turns[-1].completion_ids.tolist(), skip_special_tokens=True)
     assert task.metadata["final_output"] == reply  # what the SDK's runner returned is the model's last reply
     assert str(task.answer) in tokenizer.decode(traj.turns[1].prompt_ids.tolist())  # its tool's result
+
+
+@pytest.mark.parametrize("agent", ["anthropic_calculator", "responses_calculator"])
+async def test_each_apis_sdk_agent_trains_on_exactly_what_the_engine_generated(
+        tool_engine: EngineProcess, tokenizer: Any, calc_tasks: list[Task], agent: str) -> None:  # fmt: skip
+    task = Task(id=calc_tasks[1].id, prompt=calc_tasks[1].prompt, answer=calc_tasks[1].answer, metadata={})
+    traj = await episode(tool_engine, tokenizer, task, f"blackbox_agents:{agent}")
+    assert traj.stop_reason is StopReason.DONE, traj.error
+    assert traj.metrics["tool_calls"] >= 1 and len(traj.turns) >= 2 and traj.metrics["new_branches"] == 0
+    await assert_engine_generated(tool_engine, traj)
+    assert f"<tool_response>{task.answer}</tool_response>" in tokenizer.decode(traj.turns[1].prompt_ids.tolist())
+    # what the SDK handed the agent is the model's last reply
+    assert task.metadata["final"] == tokenizer.decode(traj.turns[-1].completion_ids.tolist(), skip_special_tokens=True)
+
+
+async def test_a_langgraph_react_agent_trains_on_exactly_what_the_engine_generated(
+        tool_engine: EngineProcess, tokenizer: Any, calc_tasks: list[Task]) -> None:  # fmt: skip
+    task = Task(id=calc_tasks[2].id, prompt=calc_tasks[2].prompt, answer=calc_tasks[2].answer, metadata={})
+    traj = await episode(tool_engine, tokenizer, task, "framework_agents:langgraph_calculator")
+    assert traj.stop_reason is StopReason.DONE, traj.error
+    assert traj.metrics["tool_calls"] >= 1 and traj.metrics["new_branches"] == 0
+    await assert_engine_generated(tool_engine, traj)
+    assert f"<tool_response>{task.answer}</tool_response>" in tokenizer.decode(traj.turns[1].prompt_ids.tolist())
+    kinds = [kind for kind, _ in task.metadata["messages"]]
+    assert kinds[:3] == ["human", "ai", "tool"] and kinds[-1] == "ai"  # the graph ran the tool node
+    assert task.metadata["messages"][-1][1] == tokenizer.decode(traj.turns[-1].completion_ids.tolist(),
+                                                                skip_special_tokens=True)
+
+
+async def test_a_smolagents_tool_calling_agent_trains_each_rewritten_context_as_a_segment(
+        tool_engine: EngineProcess, tokenizer: Any, calc_tasks: list[Task]) -> None:  # fmt: skip
+    task = Task(id=calc_tasks[0].id, prompt=calc_tasks[0].prompt, answer=calc_tasks[0].answer, metadata={})
+    traj = await episode(tool_engine, tokenizer, task, "framework_agents:smolagents_calculator")
+    assert traj.stop_reason is StopReason.DONE, traj.error
+    assert len(traj.turns) >= 2 and all(t.new_branch for t in traj.turns[1:])  # its memory, replayed as text
+    await assert_engine_generated(tool_engine, traj, segments=True)
+    assert task.metadata["steps"][:2] == ["TaskStep", "ActionStep"]
+    # each later call's prompt is the whole context again, smolagents' memory as it words it (the tiny
+    # model, trained on the calculator's prompts, does not call the tool here: test_docs.py's scripted
+    # smolagents episode checks the tool's result coming back as "Observation:")
+    for turn in traj.turns[1:]:
+        assert tokenizer.decode(turn.prompt_ids.tolist()).count(f"New task:\n{task.prompt}") == 1
+
+
+async def test_streamed_anthropic_messages_assemble_to_the_plain_ones(tool_engine: EngineProcess, tokenizer: Any,
+                                                                     calc_tasks: list[Task]) -> None:
+    task = Task(id="s", prompt=calc_tasks[0].prompt, metadata={})
+    traj = await episode(tool_engine, tokenizer, task, "blackbox_agents:anthropic_streaming")
+    plain, streamed = task.metadata["plain"], task.metadata["streamed"]
+    assert plain["stop_reason"] == "tool_use" and plain["content"][0]["name"] == "calculate"
+    assert plain["content"][0]["input"] == {"expression": calc_tasks[0].metadata["steps"][0]}
+    assert plain.pop("id") != streamed.pop("id") and plain["content"][0].pop("id") != streamed["content"][0].pop("id")
+    assert streamed == plain  # blocks, tool input (joined from input_json_delta), stop reason, usage
+    assert {"message_start", "input_json", "content_block_stop", "message_stop"} <= set(task.metadata["events"])
+    assert streamed["usage"]["output_tokens"] == len(traj.turns[1].completion_ids)
+
+
+async def test_streamed_responses_assemble_to_the_plain_ones(tool_engine: EngineProcess, tokenizer: Any,
+                                                             calc_tasks: list[Task]) -> None:
+    task = Task(id="s", prompt=calc_tasks[0].prompt, metadata={})
+    traj = await episode(tool_engine, tokenizer, task, "blackbox_agents:responses_streaming")
+    plain, streamed = task.metadata["plain"], task.metadata["streamed"]
+    (call,) = plain["output"]
+    assert call["type"] == "function_call" and call["name"] == "calculate" and plain["status"] == "completed"
+    for r in (plain, streamed):  # fresh ids each call
+        r.pop("id"), r.pop("created_at"), r["output"][0].pop("id"), r["output"][0].pop("call_id")
+    assert streamed["output"][0].pop("parsed_arguments") is None  # what the SDK's stream helper adds
+    assert streamed == plain  # items, arguments (from the argument deltas), status, usage
+    assert {"response.created", "response.function_call_arguments.delta", "response.completed"} <= set(
+        task.metadata["events"])
+    assert streamed["usage"]["output_tokens"] == len(traj.turns[1].completion_ids)
 
 
 async def test_streamed_replies_assemble_to_the_plain_ones(tool_engine: EngineProcess, tokenizer: Any,

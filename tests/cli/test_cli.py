@@ -107,6 +107,22 @@ def test_rollout_writes_trajectories(monkeypatch: pytest.MonkeyPatch, tiny_model
     assert all(t.env == "envs.calculator:CalculatorEnv" for t in trajectories)
 
 
+@pytest.mark.parametrize("agent", ["run_anthropic", "run_responses"])
+def test_rollout_runs_agents_of_the_other_apis(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, tmp_path: Path,
+                                               agent: str) -> None:
+    """The bundled calculator agent in Anthropic's Messages API and OpenAI's Responses API, through the
+    endpoint of a rollout worker, against an embedded engine process."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "t.jsonl"
+    result = invoke("rollout", "configs/calculator_agent.yaml", "--groups", "1", "--out", str(out),
+                    "rollout.group_size=2", f"env.args.agent=envs.calculator_agent:{agent}")
+    assert result.exit_code == 0, result.output
+    trajectories = [from_json(line, Trajectory) for line in out.read_bytes().splitlines()]
+    assert len(trajectories) == 2 and all(t.env == "envs.calculator_agent:CalculatorAgentEnv" for t in trajectories)
+    for t in trajectories:  # every call the agent made was recorded, its reward is the agent's
+        assert t.turns and all(len(turn.completion_ids) > 0 for turn in t.turns) and "agent" in t.rewards, t.error
+
+
 def test_init_model_writes_and_describes(tmp_path: Path) -> None:
     out = tmp_path / "model"
     result = invoke("init-model", str(out), "--seed", "3")
