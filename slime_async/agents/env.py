@@ -4,9 +4,10 @@ The agent is an ordinary function, named in the config (`env.args.agent: module:
 
     async def run(task: Task, base_url: str, api_key: str) -> float | None
 
-It gets the task, and a base URL and key of its own episode's session on this process's
-OpenAI-compatible endpoint (`slime_async.agents.server`); it makes its model calls there with any
-client (the `openai` SDK, the OpenAI Agents SDK, LangGraph, smolagents, raw HTTP), runs its own
+It gets the task, and a base URL and key of its own episode's session on this process's endpoint
+(`slime_async.agents.server`: chat completions, Anthropic messages, OpenAI responses); it makes its
+model calls there with any client (the `openai` SDK, the OpenAI Agents SDK, the `anthropic` SDK with
+`base_url.removesuffix("/v1")`, LangGraph, smolagents, raw HTTP), runs its own
 tools, and returns its reward, or None to leave the reward to the env's `@reward`s (a subclass
 may declare them; they see the final reply as `completion` and the conversation as `messages`).
 A plain `def` runs in a thread. Each episode's calls are recorded token-exactly

@@ -56,11 +56,13 @@ def wait_for_steps(proc: subprocess.Popen, metrics_path: Path, steps: int, timeo
         time.sleep(0.2)  # polling a file another process writes: there is nothing to wait on
 
 
-def test_a_black_box_agent_trains_through_every_part(tmp_path: Path) -> None:
-    """configs/calculator_agent.yaml: the agent is an `openai` SDK program; its warm-start's
-    demonstrations, the success checks, rollout and evaluation all go through the endpoint."""
+@pytest.mark.parametrize("agent", ["run", "run_anthropic"])
+def test_a_black_box_agent_trains_through_every_part(tmp_path: Path, agent: str) -> None:
+    """configs/calculator_agent.yaml: the agent is an `openai` SDK program (or its `anthropic` SDK twin,
+    through /v1/messages); its warm-start's demonstrations, the success checks, rollout and evaluation
+    all go through the endpoint."""
     done = subprocess.run(train_command(tmp_path, "train.steps=3", "warmstart.env=null", "data.eval_every=2",
-                                        "log.sample_every=2",
+                                        "log.sample_every=2", f"env.args.agent=envs.calculator_agent:{agent}",
                                         config="configs/calculator_agent.yaml"),
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
