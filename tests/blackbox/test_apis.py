@@ -41,6 +41,16 @@ async def test_each_api_records_what_chat_completions_records(tokenizer: Any, ag
     assert task.metadata["final"] == "The answer is 413."
 
 
+@pytest.mark.parametrize("agent", ["openai_calculator", "anthropic_calculator", "responses_calculator"])
+async def test_a_reply_with_text_and_a_call_echoed_back_continues_token_for_token(tokenizer: Any, agent: str) -> None:
+    """A text block and a tool_use block (a message item and a function_call item) are one assistant
+    message: sent back as they came, they are the message the session holds, not a rewritten history."""
+    replies = ["Let me compute.\n" + REPLIES[0], REPLIES[1]]
+    traj = await play(tokenizer, agent, replies, calc_task())
+    assert traj.stop_reason is StopReason.DONE and traj.metrics["tool_calls"] == 1, traj.error
+    assert traj.metrics["new_branches"] == 0 and len(traj.segments()) == 1
+
+
 @pytest.mark.parametrize("api", ["anthropic", "responses"])
 async def test_a_compacted_context_starts_a_new_segment(tokenizer: Any, api: str) -> None:
     task = Task(id="l", prompt="What is 2+3?", metadata={"api": api})
