@@ -14,6 +14,9 @@ from test_endpoint import play, probe_task
 from transformers import AutoTokenizer
 
 from envs.calculator import demo_replies
+from slime_async.dashboard.recorder import advantages_of
+from slime_async.dashboard.store import TrajectoryStore, TrajectoryWriter
+from slime_async.dashboard.trajectory_view import detail
 from slime_async.env import Limits
 from slime_async.types import StopReason, Task
 
@@ -61,6 +64,21 @@ async def test_a_compacted_context_starts_a_new_segment(tokenizer: Any, api: str
     assert tokenizer.decode(first[0].tolist()).endswith("more<|im_end|>\n<|im_start|>assistant\nb<|im_end|>")
     compacted = tokenizer.decode(second[0].tolist())  # the summary, without the old history
     assert "Summary of the work so far" in compacted and "2+3" not in compacted and compacted.endswith("c<|im_end|>")
+
+
+async def test_the_dashboard_shows_a_compacted_context_as_a_new_segment(tokenizer: Any, tmp_path: Path) -> None:
+    task = Task(id="l", prompt="2+3?", metadata={"api": "responses"})
+    traj = await play(tokenizer, "compacting", ["a", "b", "c"], task)
+    writer = TrajectoryWriter(tmp_path, tokenizer)
+    writer.append(1, [traj], advantages_of([traj], "grpo"))
+    store = TrajectoryStore(tmp_path)
+    try:
+        shown = detail(store, traj.id, tmp_path)
+    finally:
+        writer.close()
+        store.close()
+    assert [t["new_branch"] for t in shown["turns"]] == [False, False, True]  # the viewer marks it as such
+    assert shown["turns"][2]["prompt_text"].startswith("<|im_start|>user\nSummary of the work so far")
 
 
 def message(**fields: Any) -> dict[str, Any]:
