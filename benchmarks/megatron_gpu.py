@@ -6,7 +6,7 @@
   FLOPs are counted, not measured: 2 per multiply-add of every matmul (QKV, output, MLP, LM head),
   plus attention's QK^T and PV over the causal half (the (s + 1) / 2 keys a query sees on average);
   forward + backward = 3 x forward. MFU = achieved / 790 TFLOP/s, the bf16 matmul rate measured on
-  this GPU (MEASURED.md).
+  this GPU (docs/measured.md).
 - Logprob parity with the torch backend on the same GPU and weights: float32 against float32
   (tight), bf16 (Megatron mixed precision) against bf16 (torch autocast); and one float32 train step:
   loss and gradient norm of both backends.
@@ -44,7 +44,7 @@ from benchmarks import Result
 DESCRIPTION = ("megatron backend on a CUDA GPU: ~1.2B Qwen2-shaped model, bf16, seq 4096: train-step MFU, "
                "logprob parity with the torch backend, weight export vs the copy bound")
 
-CEILING_TFLOPS = 790.0  # bf16 matmul rate measured on the H200 (MEASURED.md)
+CEILING_TFLOPS = 790.0  # bf16 matmul rate measured on the H200 (docs/measured.md)
 SEQ = 4096
 BUDGET_S = 420  # phases starting later are skipped: one device command may run 600 s, set-up included
 SEQUENCES = 8

@@ -14,7 +14,7 @@ expert width (8 x 768 = 6144): the parameters a MoE token computes with, bar the
   2 x (QKV + output projection + router + k experts x 3 x hidden x expert intermediate) multiply-adds
   plus attention's QK^T and PV over the causal half ((s + 1) / 2 keys), and the LM head
   2 x hidden x vocab; forward + backward = 3 x forward (`train_flops`). MFU = achieved / 790 TFLOP/s
-  (the bf16 matmul rate measured on the H200, MEASURED.md). The step's router losses are logged
+  (the bf16 matmul rate measured on the H200, docs/measured.md). The step's router losses are logged
   (`moe/aux_loss`: 1.0 is balanced; `moe/z_loss`). Rows: the grouped experts (the default,
   `train.megatron.moe_grouped_gemm`), routed by the model and with routing replay (every token's
   experts given by a record, as an engine would report them); Megatron's SequentialMLP (a Python loop
@@ -48,7 +48,7 @@ DESCRIPTION = ("megatron backend on a CUDA GPU, MoE: Qwen3-30B-A3B layers (128 e
                "train-step tokens/s and MFU on active parameters (grouped experts, SequentialMLP, a dense model "
                "of the same active size), router losses, routing replay; engine decode MoE vs dense")
 
-CEILING_TFLOPS = 790.0  # bf16 matmul rate measured on the H200 (MEASURED.md)
+CEILING_TFLOPS = 790.0  # bf16 matmul rate measured on the H200 (docs/measured.md)
 DEVICE = "cuda"  # module constants, so that the CPU smoke test can shrink everything
 TRAIN_DTYPE = "bfloat16"
 SEQ = 4096

@@ -18,7 +18,7 @@ so that `received == trained + pending + ready + delivered + applied + sum(dropp
 the same batches where the sampling policy allows: the run's data is trained exactly once.
 A trajectory id seen before is a duplicate: acked again, counted, never stored twice.
 
-Staleness (DESIGN.md): trainer version minus the oldest token version of the trajectory. A group
+Staleness (docs/architecture.md): trainer version minus the oldest token version of the trajectory. A group
 is handed out whole or not at all, so a group is dropped when any of its trajectories is over the
 bound (the group's advantage baseline needs all of its members).
 

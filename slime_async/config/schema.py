@@ -1,6 +1,6 @@
 """The config tree: every setting of a run, its type, its default and what it means.
 
-This is the only place defaults live. Each section belongs to one part (DESIGN.md); the part
+This is the only place defaults live. Each section belongs to one part (docs/architecture.md); the part
 reads its section and nothing else. Unknown keys are errors, so a typo never silently falls back
 to a default.
 """

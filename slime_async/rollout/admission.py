@@ -1,4 +1,4 @@
-"""Staleness admission (AReaL's rule, DESIGN.md "Staleness"), as one small testable class.
+"""Staleness admission (AReaL's rule, docs/architecture.md "Staleness"), as one small testable class.
 
 With B trajectories per optimizer step and bound eta, a new trajectory may start only while
 `accepted + running < (v + eta + 1) * B`, where v is the weight version the engines serve,

@@ -331,7 +331,7 @@ class Trainer:
         record.max_staleness = max(0, self.version - (1 if record.applied else 0) - oldest)
         if record.applied:
             self.counters["trajectories_trained"] += batch.num_trajectories
-        else:  # counted, never silently lost (DESIGN.md, "Reliability rules")
+        else:  # counted, never silently lost (docs/architecture.md, "Reliability rules")
             self.counters["skipped:step_not_applied"] += batch.num_trajectories
         if record.applied and self.publisher is not None and record.publish is None:
             record.publish = await self.publisher.publish(self.backend.named_weights, self.version)

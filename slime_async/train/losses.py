@@ -1,9 +1,9 @@
 """Policy losses, off-policy corrections, penalties, aggregation and metrics: pure functions of tensors.
 
 Every per-token tensor is [N, T], aligned so that entry t belongs to token t of the sequence.
-`mask` is 0/1 (1 = the token trains). Three logprobs exist per token (DESIGN.md, "Off-policy
-correction"): `behav` (the engine's, at sampling time), `prox` (the proximal policy: recomputed by
-the trainer before the step, no gradient) and `logp` (current, with gradient).
+`mask` is 0/1 (1 = the token trains). Three logprobs exist per token (docs/architecture.md, "Losses
+and off-policy correction"): `behav` (the engine's, at sampling time), `prox` (the proximal policy:
+recomputed by the trainer before the step, no gradient) and `logp` (current, with gradient).
 
 Losses return per-token values; `aggregation_weights` turns a mask into per-token weights over the
 whole batch, so that `(values * weights).sum()` is the batch loss and micro-batches simply add up.

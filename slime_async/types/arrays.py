@@ -2,7 +2,7 @@
 
 Token ids, logprobs, weight versions and loss masks are numpy arrays in memory and raw
 little-endian bytes on the wire (a msgpack extension whose code names the dtype). Python lists
-of ints are about 4x slower through msgpack (MEASURED.md), and every trajectory carries
+of ints are about 4x slower through msgpack (docs/measured.md), and every trajectory carries
 thousands of tokens, so this is the hot path of the whole data flow.
 """
 

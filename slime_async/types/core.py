@@ -232,7 +232,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
         return min(versions) if versions else None
 
     def staleness(self, trainer_version: int) -> int:
-        """DESIGN.md's rule: trainer version minus the oldest version among its tokens."""
+        """docs/architecture.md's rule ("Staleness"): trainer version minus the oldest version among its tokens."""
         oldest = self.min_version()
         return 0 if oldest is None else trainer_version - oldest
 

@@ -1,7 +1,7 @@
 """Core attention through torch's `scaled_dot_product_attention`, for layer specs without Transformer Engine.
 
 Megatron's local `DotProductAttention` materialises the [b, heads, s, s] score matrix (19% MFU at
-sequence 4096 on an H200, MEASURED.md); SDPA dispatches to fused flash / memory-efficient kernels on
+sequence 4096 on an H200, docs/measured.md); SDPA dispatches to fused flash / memory-efficient kernels on
 GPU and to a fused kernel on CPU. Attention is causal with no mask: batches are right-padded, and a
 token never attends to the padding after it. Grouped-query attention is SDPA's `enable_gqa`; there is
 no dropout (RL post-training runs without it).
