@@ -1,4 +1,4 @@
-"""`slime-async dashboard` and `slime-async replay` (registered on the app by `cli.main`)."""
+"""`slime-async dashboard` and `slime-async replay` (registered on `cli.app.app` when `cli.main` imports this)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from slime_async.cli.main import app, clear_errors, console, fail
+from slime_async.cli.app import app, clear_errors, console, fail
 
 DEFAULT_PORT = 8780
 

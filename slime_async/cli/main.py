@@ -2,58 +2,23 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from slime_async.config import ConfigError, load_config, to_yaml
-
-app = typer.Typer(
-    name="slime-async",
-    help="Asynchronous agentic RL post-training: SGLang rollouts, ZeroMQ buffer, torch/Megatron trainer.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
-app.add_typer(config_app, name="config")
-
-console = Console()
-err_console = Console(stderr=True)
-F = TypeVar("F", bound=Callable[..., Any])
+from slime_async.cli.app import app, clear_errors, config_app, console, err_console, fail
+from slime_async.config import load_config, to_yaml
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config file (see configs/).", show_default=False)]
 OverridesArg = Annotated[
     list[str] | None,
     typer.Argument(help="Overrides as key.sub=value, e.g. rollout.group_size=4.", show_default=False),
 ]
-
-
-def fail(message: str) -> NoReturn:
-    """Print one error line naming the place and the fix, exit with code 2."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
-
-
-def clear_errors(fn: F) -> F:
-    """Turn the errors that mean bad input into one line and exit code 2, not a traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (ConfigError, FileExistsError) as exc:
-            fail(str(exc))
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _load(config: Path, overrides: list[str] | None, model: bool = True):  # -> Config

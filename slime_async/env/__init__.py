@@ -20,7 +20,8 @@ scheduling, concurrency across episodes, staleness, retries (`rollout`); the Str
 """
 
 from slime_async.env.base import Env, EnvArgs, Split
-from slime_async.env.episode import COUNTERS, run_episode
+from slime_async.env.episode import run_episode
+from slime_async.env.episode_loop import COUNTERS
 from slime_async.env.group import apply_group_rewards
 from slime_async.env.limits import Limits, ParseErrorPolicy
 from slime_async.env.loading import EnvFactory, EnvLoadError, load_env_class

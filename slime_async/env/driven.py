@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from slime_async.env.episode import _Episode, _Stop, _stop_waiter
+from slime_async.env.episode_loop import _Episode, _Stop, _stop_waiter
 from slime_async.env.parsers import ParsedReply
 from slime_async.env.policy import Generation, Sampling
 from slime_async.env.renderer import Renderer

@@ -120,15 +120,15 @@ def tool_messages(env: Env) -> list[str]:
 @pytest.fixture(autouse=True)
 def _record_messages(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep each episode's final conversation on its env, for the assertions."""
-    from slime_async.env import episode
+    from slime_async.env import episode_loop
 
-    original = episode._Episode._score
+    original = episode_loop._Episode._score
 
     async def score(self: Any) -> None:
         self.env.messages_seen = self.renderer.messages if self.renderer else []
         await original(self)
 
-    monkeypatch.setattr(episode._Episode, "_score", score)
+    monkeypatch.setattr(episode_loop._Episode, "_score", score)
 
 
 async def test_solved_with_a_tool_call(tokenizer: Any) -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import slime_async.env.episode as episode_module
+import slime_async.env.episode_loop as episode_module
 import slime_async.env.renderer as renderer_module
 from slime_async.env import HermesParser, Renderer, ScriptedPolicy, run_episode
 from slime_async.env.template import facts_for

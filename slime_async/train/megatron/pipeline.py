@@ -8,18 +8,30 @@ them unscaled: the shares from the `LossFn` already weigh the whole batch. The b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from slime_async.train.backend import LossFn
+from slime_async.train.backend import Logprobs, LossFn
 from slime_async.train.batch import Batch
 
-if TYPE_CHECKING:
-    from slime_async.train.megatron.backend import MegatronBackend
+
+class PipelinedBackend(Protocol):
+    """What the schedule needs of `backend.MegatronBackend` (which calls in here): named as a
+    protocol so that this module does not import the backend back."""
+
+    device: torch.device
+    micro_batch_size: int
+    model: torch.nn.Module
+
+    def _my_micro_batches(self, batch: Batch) -> list[tuple[slice, Batch]]: ...
+
+    def _run_model(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor: ...
+
+    def _logprobs_of(self, logits: torch.Tensor, mb: Batch, temperature: float, entropy: bool) -> Logprobs: ...
 
 
-def _run(backend: MegatronBackend, model: torch.nn.Module, batch: Batch, post: Any, forward_only: bool
+def _run(backend: PipelinedBackend, model: torch.nn.Module, batch: Batch, post: Any, forward_only: bool
          ) -> list[Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -39,7 +51,7 @@ def _run(backend: MegatronBackend, model: torch.nn.Module, batch: Batch, post: A
         forward_only=forward_only)
 
 
-def pipeline_logprobs(backend: MegatronBackend, model: torch.nn.Module, batch: Batch, temperature: float,
+def pipeline_logprobs(backend: PipelinedBackend, model: torch.nn.Module, batch: Batch, temperature: float,
                       logp: torch.Tensor, ent: torch.Tensor | None) -> None:
     """Fill this rank's rows of `logp` (and `ent`) on the last stage."""
     zero = torch.zeros((), device=backend.device)
@@ -58,7 +70,7 @@ def pipeline_logprobs(backend: MegatronBackend, model: torch.nn.Module, batch: B
             ent[item["rows"], :k] = item["ent"]
 
 
-def pipeline_train(backend: MegatronBackend, batch: Batch, loss_fn: LossFn, temperature: float, entropy: bool,
+def pipeline_train(backend: PipelinedBackend, batch: Batch, loss_fn: LossFn, temperature: float, entropy: bool,
                    metrics: dict[str, float]) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns the summed loss (last stage; 0
     elsewhere) and adds the loss function's metrics into `metrics`."""
