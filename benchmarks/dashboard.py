@@ -56,9 +56,9 @@ def make_run(run: Path, n: int) -> dict[str, float]:
     """A run directory with `n` trajectories in its store; returns the writer's cost."""
     from transformers import AutoTokenizer
 
-    from slime_async.dashboard.recorder import advantages_of
     from slime_async.dashboard.store import TrajectoryWriter
-    from slime_async.train.tiny_model import cached_model_dir
+    from slime_async.models.tiny_model import cached_model_dir
+    from slime_async.train.recorder import advantages_of
 
     tok = AutoTokenizer.from_pretrained(str(cached_model_dir("tiny", seed=0)))
     run.mkdir(parents=True)

@@ -109,7 +109,7 @@ def measure(preset: str, device: str, dtype: str, concurrencies: tuple[int, ...]
 
     from slime_async.engine.launch import load_engine
     from slime_async.launch.process import start_engine
-    from slime_async.train.tiny_model import cached_model_dir
+    from slime_async.models.tiny_model import cached_model_dir
 
     model_dir = cached_model_dir(preset)
     rows: list[list] = []

@@ -89,8 +89,8 @@ def measure(concurrencies: tuple[int, ...], rounds: int, repeats: int) -> Result
     from slime_async.launch.local import free_port
     from slime_async.launch.process import start_engine, start_process
     from slime_async.launch.vllm_command import set_vllm_version, vllm_argv
+    from slime_async.models.tiny_model import cached_model_dir
     from slime_async.rollout import SGLangClient, VLLMClient
-    from slime_async.train.tiny_model import cached_model_dir
 
     model_dir = cached_model_dir("tiny")
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size

@@ -30,7 +30,7 @@ def _http(examples: int) -> tuple[Counter, int, bool, float]:
 
     from slime_async.engine.fuzz import ADMIN_ROUTES, ALLOWED, call, request_bodies
     from slime_async.launch.process import start_engine
-    from slime_async.train.tiny_model import cached_model_dir
+    from slime_async.models.tiny_model import cached_model_dir
 
     model_dir = cached_model_dir("tiny")
     server = start_engine(model_dir, "--max-batch-size", "4", "--context-length", "256")

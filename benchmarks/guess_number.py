@@ -26,7 +26,7 @@ from benchmarks import Result
 from benchmarks._runs import run_training
 from envs.guess_number import GuessArgs, GuessNumberEnv, binary_search_replies, random_search_replies
 from slime_async.config import load_config
-from slime_async.data.eval_metrics import reward_metrics
+from slime_async.evaluation.metrics import reward_metrics
 from slime_async.types import Message, Task
 
 DESCRIPTION = "guess_number: mean guesses and reward before/after async RL vs random search and bisection"

@@ -70,17 +70,9 @@ def train_flops(seq: int, sequences: int) -> float:
 
 def _batch(n: int, tokens: int, vocab: int, seed: int = 0) -> Any:
     from slime_async.train.batch import build_batch
-    from slime_async.types import StopReason, Trajectory, Turn
+    from slime_async.train.synthetic import make_trajectories
 
-    rng = np.random.default_rng(seed)
-    prompt = tokens // 4
-    trajs = []
-    for i in range(n):
-        k = tokens - prompt
-        turn = Turn(prompt_ids=rng.integers(0, vocab, prompt), completion_ids=rng.integers(0, vocab, k),
-                    logprobs=np.full(k, -12.0), versions=np.zeros(k, dtype=np.int32))
-        trajs.append(Trajectory(task_id=str(i // 4), group_id=str(i // 4), sample_index=i % 4, turns=[turn],
-                                stop_reason=StopReason.DONE, reward=float(i % 3)))
+    trajs = make_trajectories(n, group_size=4, seed=seed, vocab=vocab, tokens=tokens, logprob=-12.0)
     return build_batch(trajs, max_seq_len=tokens).batch
 
 

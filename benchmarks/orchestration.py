@@ -72,7 +72,7 @@ def run(quick: bool = False) -> Result:
     from transformers import AutoTokenizer
 
     from slime_async.launch.process import start_process
-    from slime_async.train.tiny_model import cached_model_dir
+    from slime_async.models.tiny_model import cached_model_dir
 
     model_dir = cached_model_dir("tiny")
     python = _verifiers_python()

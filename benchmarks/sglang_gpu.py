@@ -140,7 +140,7 @@ def run(quick: bool = False) -> Result:
     from transformers import AutoModelForCausalLM
 
     from slime_async.launch.process import start_engine
-    from slime_async.train.tiny_model import cached_model_dir
+    from slime_async.models.tiny_model import cached_model_dir
 
     out = _out()
     model_dir = cached_model_dir("0.5b")

@@ -22,17 +22,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from benchmarks import Result
 from slime_async.config.schema import SyncConfig, TrainConfig
+from slime_async.models.tiny_model import cached_model_dir
 from slime_async.sync import WeightPublisher
 from slime_async.train.batch import build_batch
 from slime_async.train.objective import Objective
-from slime_async.train.tiny_model import cached_model_dir
+from slime_async.train.synthetic import make_trajectories
 from slime_async.train.torch_backend import TorchBackend
-from slime_async.types import StopReason, Trajectory, Turn
+from slime_async.types import Trajectory
 
 DESCRIPTION = "weight publish time by mode vs the copy bound; trainer tokens/s on CPU"
 
@@ -101,16 +101,7 @@ async def _publish_times(url: str, backend: TorchBackend, cfg: SyncConfig, repea
 
 
 def _trajectories(n: int, tokens: int, vocab: int, seed: int = 0) -> list[Trajectory]:
-    rng = np.random.default_rng(seed)
-    prompt = tokens // 4
-    out = []
-    for i in range(n):
-        k = tokens - prompt
-        turn = Turn(prompt_ids=rng.integers(0, vocab, prompt), completion_ids=rng.integers(0, vocab, k),
-                    logprobs=np.full(k, -5.0), versions=np.zeros(k, dtype=np.int32))
-        out.append(Trajectory(task_id=str(i // 4), group_id=str(i // 4), sample_index=i % 4, turns=[turn],
-                              stop_reason=StopReason.DONE, reward=float(rng.integers(0, 2))))
-    return out
+    return make_trajectories(n, group_size=4, seed=seed, vocab=vocab, tokens=tokens, logprob=-5.0, reward_levels=2)
 
 
 def _train_rate(backend: TorchBackend, n: int, tokens: int, repeats: int) -> tuple[float, float]:

@@ -23,7 +23,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(cache_dir: Path) -> Path:
     """The tiny model, made once per session the way `model.path: tiny` makes it."""
-    from slime_async.train.tiny_model import cached_model_dir
+    from slime_async.models.tiny_model import cached_model_dir
 
     return cached_model_dir("tiny", seed=0)
 
@@ -31,7 +31,7 @@ def tiny_model_dir(cache_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe_dir(cache_dir: Path) -> Path:
     """The tiny Qwen3-MoE model (`model.path: tiny-moe`), made once per session."""
-    from slime_async.train.tiny_model import cached_model_dir
+    from slime_async.models.tiny_model import cached_model_dir
 
     return cached_model_dir("tiny-moe", seed=0)
 

@@ -1,5 +1,6 @@
-"""The import graph of `slime_async` has no cycles between files, and none between parts except
-those docs/architecture.md names with a reason ("Import rules").
+"""The import graph of `slime_async` has no cycles between files, none between parts except those
+docs/architecture.md names with a reason, and every part imports only parts below it in that page's
+layers ("Import rules").
 
 Edges, read with `ast` (nothing is imported): every `import X` and `from X import Y` in a file,
 wherever it stands: at module level, inside a function, or under `if TYPE_CHECKING:` (a lazy or
@@ -122,6 +123,18 @@ def named_part_cycles(doc: str) -> dict[frozenset[str], str]:
     return out
 
 
+def layers(doc: str) -> dict[str, int]:
+    """Each part's rank in docs/architecture.md's numbered layers ("From the bottom up"): a line's
+    parts, and within a line the groups split by "then", rank upwards."""
+    section = doc.split("From the bottom up", 1)[1].split("\n\n", 2)[1]
+    ranks: dict[str, int] = {}
+    for line in re.findall(r"^\d+\. (.+)$", section, re.MULTILINE):
+        for group in line.split(" then "):
+            rank = len(set(ranks.values()))
+            ranks.update({name: rank for name in re.findall(r"`([a-z_]+)`", group)})
+    return ranks
+
+
 def test_no_file_imports_another_that_imports_it_back() -> None:
     found = cycles(import_graph(ROOT / "slime_async"))
     assert found == [], f"import cycles between files: {found}"
@@ -161,3 +174,18 @@ def test_the_checker_sees_cycles_of_every_kind_of_import(tmp_path: Path) -> None
     assert cycles(part_graph(graph)) == [["a", "b", "c"]]
     assert named_part_cycles("### Import rules\n\n- `{a, b}`: why\n- `{c}` no reason\n\n## Next\n- `{x, y}`: z") == {
         frozenset({"a", "b"}): "why"}
+
+
+def test_every_part_imports_only_parts_below_it_in_the_architecture_doc() -> None:
+    rank = layers(DOC.read_text())
+    package = ROOT / "slime_async"
+    parts = sorted(p.name for p in package.iterdir() if (p / "__init__.py").is_file())
+    assert sorted(rank) == parts, "docs/architecture.md's layers must list every part once"
+    upward = sorted((a, b) for a, targets in part_graph(import_graph(package)).items() for b in targets
+                    if rank[b] >= rank[a])
+    assert upward == [], f"imports that go up or sideways in docs/architecture.md's layers: {upward}"
+
+
+def test_layers_are_read_bottom_up_and_then_splits_a_line() -> None:
+    doc = "From the bottom up, each part:\n\n1. `a`, `b`;\n2. `c`, then `d` and `e`.\n\nAfter."
+    assert layers(doc) == {"a": 0, "b": 0, "c": 1, "d": 2, "e": 2}

@@ -23,9 +23,9 @@ def dashboard(
     port: Annotated[int, typer.Option(help="Port (0: a free one).")] = DEFAULT_PORT,
 ) -> None:
     """Serve the web dashboard and trajectory viewer of one or more runs, live or finished (Ctrl-C stops it)."""
-    from slime_async.dashboard.run_files import RunDirError
     from slime_async.dashboard.serve import serve, token_for, url_with_token
     from slime_async.dashboard.server import DashboardError
+    from slime_async.rundir.run_files import RunDirError
 
     token = token_for(host)
     try:

@@ -83,7 +83,7 @@ def rollout(
 ) -> None:
     """Generate trajectories only (no training): against engine.urls, or embedded engines it starts."""
     from slime_async.env import EnvLoadError
-    from slime_async.rollout.run import rollout_to_file
+    from slime_async.launch.rollout_run import rollout_to_file
 
     cfg = _load(config, overrides)
     if split not in ("train", "eval"):
@@ -173,7 +173,7 @@ def init_model(
     force: Annotated[bool, typer.Option("--force", help="Replace OUT_DIR if it exists.")] = False,
 ) -> None:
     """Make a tiny local model (BPE tokenizer, chat template with tools, random Qwen2 or Qwen3-MoE). No download."""
-    from slime_async.train.tiny_model import PRESETS, make_model
+    from slime_async.models.tiny_model import PRESETS, make_model
 
     if preset not in PRESETS:
         fail(f"--preset: got {preset!r}; expected one of {', '.join(map(repr, PRESETS))}")

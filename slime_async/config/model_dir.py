@@ -19,7 +19,7 @@ def resolve_model_path(path: str, field: str = "model.path") -> Path:
     """The directory that `model.path` means: `tiny` (or `tiny-moe`) is the cached preset model (made on
     first use)."""
     if path in PRESET_PATHS:
-        from slime_async.train.tiny_model import cached_model_dir
+        from slime_async.models.tiny_model import cached_model_dir
 
         return cached_model_dir(path, seed=0)
     return check_model_dir(path, field)

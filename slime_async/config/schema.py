@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from slime_async.config.engine_kinds import engine_kind
 from slime_async.config.sglang import SGLangConfig
 
 
@@ -655,16 +656,17 @@ class Config(_Section):
     """vLLM's server and its arguments for `engine.kind: vllm`."""
 
     def __post_init__(self) -> None:
-        if self.engine.kind == "vllm":
-            if self.sync.mode != "disk":
-                raise ValueError(f"sync.mode: {self.sync.mode} does not reach vLLM engines here (vLLM's own "
-                                 "weight transfer is CUDA IPC or NCCL); engine.kind vllm takes sync.mode: disk")
-            if self.sync.release_memory:
-                raise ValueError("sync.release_memory: not supported with engine.kind vllm")
-            if self.engine.router.enabled:
-                raise ValueError("engine.router.enabled: sglang-router speaks SGLang's API, not vLLM's; "
-                                 "the rollout client balances vLLM engines itself (give several engines)")
-            if not is_loopback_host(self.engine.host) and not self.engine.urls:
-                raise ValueError(f"engine.host: {self.engine.host}: vLLM's weight-update routes (dev mode) take "
-                                 "no token (its --api-key does not guard them), so slime_async launches vLLM on "
-                                 "loopback only (under --ray: one machine, launch.ray.host: 127.0.0.1)")
+        kind = engine_kind(self.engine.kind)  # what the kind can honour (`config.engine_kinds`)
+        if self.sync.mode not in kind.sync_modes:
+            raise ValueError(f"sync.mode: {self.sync.mode} does not reach {kind.label} engines here "
+                             f"({kind.sync_note}); engine.kind {kind.name} takes sync.mode: "
+                             f"{' or '.join(kind.sync_modes)}")
+        if self.sync.release_memory and not kind.release_memory:
+            raise ValueError(f"sync.release_memory: not supported with engine.kind {kind.name}")
+        if self.engine.router.enabled and not kind.sglang_router:
+            raise ValueError(f"engine.router.enabled: sglang-router speaks SGLang's API, not {kind.label}'s; "
+                             f"the rollout client balances {kind.label} engines itself (give several engines)")
+        if not kind.remote_admin and not is_loopback_host(self.engine.host) and not self.engine.urls:
+            raise ValueError(f"engine.host: {self.engine.host}: {kind.label}'s weight-update routes (dev mode) "
+                             f"take no token (its --api-key does not guard them), so slime_async launches "
+                             f"{kind.label} on loopback only (under --ray: one machine, launch.ray.host: 127.0.0.1)")

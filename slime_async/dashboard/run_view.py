@@ -12,8 +12,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from slime_async.dashboard.run_files import JsonlFile, RunDirError, check_run_dir, health, read_json
 from slime_async.dashboard.store import StoreError, TrajectoryStore
+from slime_async.rundir.run_files import JsonlFile, RunDirError, check_run_dir, health, read_json
 
 METRIC_COLUMNS = ("version", "time", "elapsed_s", "reward_mean", "seconds", "trajectories", "tokens",
                   "publish_s", "max_staleness", "loss", "grad_norm", "clip_fraction", "ess")

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from slime_async.config.schema import is_loopback_host
-from slime_async.dashboard.run_files import RunDirError
 from slime_async.dashboard.run_view import open_runs
 from slime_async.dashboard.server import Dashboard, DashboardError, start
+from slime_async.rundir.run_files import RunDirError
 
 TOKEN_ENV = "SLIME_ASYNC_DASHBOARD_TOKEN"
 

@@ -27,10 +27,10 @@ from typing import Any
 from aiohttp import web
 
 from slime_async.config.schema import is_loopback_host
-from slime_async.dashboard.run_files import RunDirError
 from slime_async.dashboard.run_view import RunView
 from slime_async.dashboard.store import SORTS, Filters, StoreError, TrajectoryStore
 from slime_async.dashboard.trajectory_view import detail, export_document, write_export
+from slime_async.rundir.run_files import RunDirError
 
 STATIC = Path(__file__).parent / "static"
 _COOKIE = "slime_async_dashboard"

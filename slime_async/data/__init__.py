@@ -1,4 +1,4 @@
-"""Data: where tasks come from, how they are scored from outside, how the policy is evaluated, and slime's way in.
+"""Data: where tasks come from, how they are scored from outside, and slime's way in.
 
 Owns:
 - task sources (`sources`: JSONL in slime's row format, Hugging Face `datasets`, Python
@@ -7,20 +7,15 @@ Owns:
   `DataState`), per-task environment choice (`router`: `EnvRouter`), and building all that from
   the config's `data:` section (`build`);
 - remote rewards: an HTTP reward-model / LLM-judge client for `@reward`/`@group_reward` (`remote_reward`);
-- evaluation suites: metric computations (`eval_metrics`: pass@k, mean reward), the suite
-  runner over the Scheduler (`eval_suite`), and an evaluation worker process that runs the suites
-  whenever the engines' weight version reaches the next multiple of `data.eval_every` (`eval_worker`);
 - slime compatibility: running a slime-style `async generate(args, sample, sampling_params)`
   inside the scheduler (`slime_compat`).
 
 Does not own: what an episode does (`env`, `envs/`), scheduling and HTTP to the engines (`rollout`),
-starting the evaluation worker beside a run and folding its results into the run summary
-(`launch`), checkpoint files (the rollout worker saves its `DataState` with `--data-state`).
+evaluation suites and the evaluation worker (`evaluation`, which builds on this part and on
+`rollout`), checkpoint files (the rollout worker saves its `DataState` with `--data-state`).
 """
 
 from slime_async.data.build import build_envs, build_tasks, env_factory, load_state, open_source, row_format, save_state
-from slime_async.data.eval_metrics import group_metrics, pass_at_k, reward_metrics
-from slime_async.data.eval_suite import EvalResult, EvalSuite, run_suite, run_suites, suites_from_config
 from slime_async.data.remote_reward import (
     RemoteReward,
     RemoteRewardArgs,
@@ -47,8 +42,6 @@ __all__ = [
     "BadRow",
     "DataState",
     "EnvRouter",
-    "EvalResult",
-    "EvalSuite",
     "HFSource",
     "IterableSource",
     "JsonlSource",
@@ -67,18 +60,12 @@ __all__ = [
     "build_tasks",
     "close_shared_remote_rewards",
     "env_factory",
-    "group_metrics",
     "load_function",
     "load_state",
     "open_source",
-    "pass_at_k",
-    "reward_metrics",
     "row_format",
     "row_to_task",
-    "run_suite",
-    "run_suites",
     "save_state",
     "shared_remote_reward",
-    "suites_from_config",
     "to_turns",
 ]

@@ -25,7 +25,8 @@ from aiohttp import web
 
 from slime_async.engine import protocol as p
 from slime_async.engine.replies import error, json_response
-from slime_async.engine.weights import decode_named_tensors, read_checkpoint
+from slime_async.engine.weights import read_checkpoint
+from slime_async.weight_wire.codec import decode_named_tensors
 
 NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                "queued. Retract or finish them, then call /flush_cache.")

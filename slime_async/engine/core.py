@@ -29,7 +29,7 @@ from slime_async.engine.model import SlotModel
 from slime_async.engine.protocol import SamplingParams
 from slime_async.engine.sampling import sample
 from slime_async.engine.weights import InPlaceCopier
-from slime_async.sync.hf_layout import checkpoint_views
+from slime_async.moe.hf_layout import checkpoint_views
 
 log = logging.getLogger(__name__)
 

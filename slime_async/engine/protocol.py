@@ -245,7 +245,7 @@ class UpdateWeightFromDiskReqInput(_Control, kw_only=True):
 
 class UpdateWeightsFromTensorReqInput(_Control, kw_only=True):
     serialized_named_tensors: list[bytes]
-    """Base64 strings: SGLang's pickled tensor handles (CUDA IPC; `engine.shared_tensors`), which the
+    """Base64 strings: SGLang's pickled tensor handles (CUDA IPC; `weight_wire.shared_tensors`), which the
     embedded engine also takes, or base64 of a safetensors file (the embedded engine only). Typed as
     bytes so that msgspec decodes the base64 itself, in C, while parsing the body."""
     load_format: str | None = None

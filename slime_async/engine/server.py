@@ -85,7 +85,7 @@ class EngineServer(ControlRoutes):
         self._weight_bytes = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values()) + 2**20
         """The most shared memory one update item may map: the model's own weights (and a little)."""
         self._shared_since = time.time()
-        """Shared-memory files older than this were not made for the next update (`shared_tensors`)."""
+        """Shared-memory files older than this were not made for the next update (`weight_wire.shared_tensors`)."""
         self._max_token_chars = max((len(t) for t in engine.tokenizer.get_vocab()), default=1) or 1
         """The longest token's length in characters (of its vocabulary string): bounds the text a context holds."""
 

@@ -16,6 +16,12 @@ import numpy as np
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class ServerError(RuntimeError):
+    """Every server failed the request within the retry budget; the message says how. What a `Policy`
+    over inference servers raises (`rollout.SGLangClient`), named here so that code outside `rollout`
+    (slime's generate functions in `data.slime_compat`) can tell a server's failure from its own."""
+
+
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     """Sampling parameters of one model call, with SGLang's names."""
 

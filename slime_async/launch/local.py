@@ -35,7 +35,7 @@ from slime_async.launch.health import wait_healthy
 from slime_async.launch.process import start_process
 from slime_async.launch.sglang_command import preflight, router_argv, sglang_argv
 from slime_async.launch.vllm_command import set_vllm_version, vllm_argv
-from slime_async.train.run_log import append_event
+from slime_async.rundir.run_log import append_event
 
 HOST, PORT, CONFIG = "@HOST@", "@PORT@", "@CONFIG@"
 """Placeholders in a part's command line, filled in where the process starts: the address it binds
@@ -137,7 +137,7 @@ class LocalLauncher:
                 # evaluation beside training, in its own process with its own client (never in the
                 # rollout's way); started before the trainer so that its baseline round sees version 0
                 self._launch(Part("eval", lambda restarts: self.spawn(
-                    "eval", [sys.executable, "-m", "slime_async.data.eval_worker", CONFIG,
+                    "eval", [sys.executable, "-m", "slime_async.evaluation.worker", CONFIG,
                              *self._url_args(self.rollout_urls), "--out", str(self.run_dir / "eval.jsonl")],
                     r"^READY")))
             if self.with_trainer:
@@ -210,29 +210,37 @@ class LocalLauncher:
     def _engine_starter(self, i: int) -> Callable[[int], Child]:
         c = self.cfg
         port = [c.engine.port + i if c.engine.port else 0]
+        spawn = {"embedded": self._spawn_embedded, "sglang": self._spawn_sglang,
+                 "vllm": self._spawn_vllm}[c.engine.kind]
 
         def start(restarts: int) -> Child:
-            version = "0" if restarts == 0 else PENDING_VERSION
-            if c.engine.kind == "sglang":
-                argv = sglang_argv(c, model_path=str(self.model_dir), host=HOST, port=PORT, index=i,
-                                   weight_version=version, release_memory=bool(c.sync.release_memory))
-                child = self.spawn(f"engine-{i}", argv, None, health_url=f"http://{HOST}:{PORT}", port=port[0])
-            elif c.engine.kind == "vllm":
-                argv = vllm_argv(c, model_path=str(self.model_dir), host=HOST, port=PORT, index=i)
-                child = self.spawn(f"engine-{i}", argv, None, health_url=f"http://{HOST}:{PORT}", port=port[0],
-                                   own_group=True)  # its engine-core and worker processes go with it
-                set_vllm_version(child.url, version)  # vLLM starts at "default"; it has no flag for it
-            else:
-                args = engine_args(c, i)
-                args[args.index("--host") + 1] = HOST  # the address of the node it runs on
-                argv = [sys.executable, "-m", "slime_async.cli", "serve", "--model", str(self.model_dir),
-                        *args, "--port", PORT, "--weight-version", version]
-                child = self.spawn(f"engine-{i}", argv, ENGINE_READY, port=port[0],
-                                   env={**engine_env(c), **self.threads_env(compute=True)})
+            child = spawn(i, "0" if restarts == 0 else PENDING_VERSION, port[0])
             port[0] = int(child.url.rsplit(":", 1)[1])  # restarts come back on the same port
             return child
 
         return start
+
+    # one per `engine.kind` (`config.engine_kinds`): engine i's process, serving `version` at first
+
+    def _spawn_embedded(self, i: int, version: str, port: int) -> Child:
+        args = engine_args(self.cfg, i)
+        args[args.index("--host") + 1] = HOST  # the address of the node it runs on
+        argv = [sys.executable, "-m", "slime_async.cli", "serve", "--model", str(self.model_dir),
+                *args, "--port", PORT, "--weight-version", version]
+        return self.spawn(f"engine-{i}", argv, ENGINE_READY, port=port,
+                          env={**engine_env(self.cfg), **self.threads_env(compute=True)})
+
+    def _spawn_sglang(self, i: int, version: str, port: int) -> Child:
+        argv = sglang_argv(self.cfg, model_path=str(self.model_dir), host=HOST, port=PORT, index=i,
+                           weight_version=version, release_memory=bool(self.cfg.sync.release_memory))
+        return self.spawn(f"engine-{i}", argv, None, health_url=f"http://{HOST}:{PORT}", port=port)
+
+    def _spawn_vllm(self, i: int, version: str, port: int) -> Child:
+        argv = vllm_argv(self.cfg, model_path=str(self.model_dir), host=HOST, port=PORT, index=i)
+        child = self.spawn(f"engine-{i}", argv, None, health_url=f"http://{HOST}:{PORT}", port=port,
+                           own_group=True)  # its engine-core and worker processes go with it
+        set_vllm_version(child.url, version)  # vLLM starts at "default"; it has no flag for it
+        return child
 
     def _start_router(self, restarts: int) -> Child:
         port = self.cfg.engine.router.port

@@ -41,8 +41,8 @@ async def measure_success(cfg: Config, model_dir: Path | None, num_tasks: int, u
     from transformers import AutoTokenizer
 
     from slime_async.agents import close_shared_server
-    from slime_async.data.eval_suite import EvalSuite, run_suites
-    from slime_async.rollout.run import start_embedded_engines
+    from slime_async.evaluation.suite import EvalSuite, run_suites
+    from slime_async.launch.rollout_run import start_embedded_engines
     from slime_async.rollout.vllm_client import engine_client
 
     factory = EnvFactory.from_config(cfg.env.name, cfg.env.args)

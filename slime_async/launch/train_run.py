@@ -28,14 +28,14 @@ from rich.table import Table
 
 from slime_async.config import Config, ConfigError, to_yaml
 from slime_async.config.model_dir import resolve_model_path
-from slime_async.dashboard.launch import start_dashboard, stop_dashboard
-from slime_async.dashboard.run_files import write_parts
+from slime_async.launch.dashboard import start_dashboard, stop_dashboard
 from slime_async.launch.local import LocalLauncher
 from slime_async.launch.success_check import Success, check_success, measure_success
 from slime_async.rollout.errors import describe as describe_errors
 from slime_async.rollout.errors import merge as merge_errors
+from slime_async.rundir.run_files import write_parts
+from slime_async.rundir.run_log import append_event, read_events, read_jsonl
 from slime_async.train.metrics_log import check_log_config
-from slime_async.train.run_log import append_event, read_events, read_jsonl
 
 
 def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool) -> tuple[Path, Path]:
@@ -141,7 +141,7 @@ def _warm_start(cfg: Config, console: Console) -> tuple[Config, dict[str, Any] |
     """The config with `model.path` set to the warm-started model (trained now or cached)."""
     if not cfg.warmstart.enabled:
         return cfg, None
-    from slime_async.train.tiny_model import default_cache_dir
+    from slime_async.models.tiny_model import default_cache_dir
     from slime_async.train.warmstart import warm_start
 
     base = resolve_model_path(cfg.model.path)

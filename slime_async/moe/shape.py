@@ -96,15 +96,17 @@ def moe_shape(config: Any, field: str = "model.path") -> MoeShape | None:
     )
 
 
-def replay_shape(model_dir: str | Path, routing_replay: bool, engine_kind: str) -> MoeShape | None:
+def replay_shape(model_dir: str | Path, routing_replay: bool, engine: str | None) -> MoeShape | None:
     """The MoE shape whose routing a rollout should record (`train.moe.routing_replay`), or None: a
-    dense model, replay off, or an engine that cannot report routing (vLLM; said once, in the log)."""
+    dense model, replay off, or engines that cannot report routing (`engine` names them, as in
+    "vLLM", None when they can; said once, in the log)."""
     if not routing_replay:
         return None
     from transformers import AutoConfig
 
     shape = moe_shape(AutoConfig.from_pretrained(str(model_dir)))
-    if shape is not None and engine_kind == "vllm":
-        log.warning("train.moe.routing_replay: vLLM engines do not report routed experts; training without replay")
+    if shape is not None and engine is not None:
+        log.warning("train.moe.routing_replay: %s engines do not report routed experts; training without replay",
+                    engine)
         return None
     return shape

@@ -11,14 +11,13 @@ an episode does (`env`), the wire to the buffer (`transport`), training.
 """
 
 from slime_async.rollout.admission import StalenessBudget
-from slime_async.rollout.client import Generation, ServerError, SGLangClient
+from slime_async.rollout.client import ServerError, ServerReply, SGLangClient
 from slime_async.rollout.scheduler import HttpPolicy, RolloutStats, Scheduler
 from slime_async.rollout.sinks import BufferSink, JsonlSink, ListSink, Sink
 from slime_async.rollout.vllm_client import VLLMClient, engine_client
 
 __all__ = [
     "BufferSink",
-    "Generation",
     "HttpPolicy",
     "JsonlSink",
     "ListSink",
@@ -26,6 +25,7 @@ __all__ = [
     "SGLangClient",
     "Scheduler",
     "ServerError",
+    "ServerReply",
     "Sink",
     "StalenessBudget",
     "VLLMClient",

@@ -31,6 +31,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
+from slime_async.env.policy import ServerError
 from slime_async.moe.routing import decode_sglang
 from slime_async.rollout.throttle import Throttled
 from slime_async.types.arrays import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE
@@ -71,17 +72,14 @@ _ENCODER = msgspec.json.Encoder()
 _EMPTY_IDS = np.zeros(0, TOKEN_DTYPE)
 
 
-class ServerError(RuntimeError):
-    """Every server failed the request within the retry budget; the message says how."""
-
-
 class BadResponse(ValueError):
     """A server answered, but not with a usable /generate response (counted, then retried elsewhere)."""
 
 
 @dataclass
-class Generation:
-    """What one model call produced: tokens, behaviour logprobs and the version of each token."""
+class ServerReply:
+    """What one server call produced: tokens, behaviour logprobs and the version of each token, and which
+    server answered (the env side's `env.Generation` is what a `Policy` returns)."""
 
     output_ids: np.ndarray
     logprobs: np.ndarray
@@ -193,7 +191,7 @@ class SGLangClient:
     async def generate(
         self, input_ids: list[int] | np.ndarray, sampling_params: dict[str, Any], *, episode: str | None = None,
         routed_from: int | None = None,
-    ) -> Generation:
+    ) -> ServerReply:
         """One model call. Raises ServerError when every retry on every server failed.
 
         With `routed_from`, the server reports the experts it routed each fed position to, from that
@@ -228,7 +226,7 @@ class SGLangClient:
             if len(parts) > 1:
                 ids, lps, versions = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
             record = None if start is None else (routes[0] if len(routes) == 1 else np.concatenate(routes))
-            return Generation(ids, lps, versions, finish, server, resumed, record)
+            return ServerReply(ids, lps, versions, finish, server, resumed, record)
 
     async def _generate_once(
         self, input_ids: list[int], sampling_params: dict[str, Any], episode: str | None,

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from slime_async.config.engine_kinds import Dialect, engine_kind
 from slime_async.rollout.client import BadResponse, SGLangClient
 from slime_async.types.arrays import LOGPROB_DTYPE, TOKEN_DTYPE
 
@@ -141,6 +142,10 @@ class VLLMClient(SGLangClient):
         return ids, lps, self._versions(choice.weight_versions, n), finish, None
 
 
+CLIENTS: dict[Dialect, type[SGLangClient]] = {"sglang": SGLangClient, "vllm": VLLMClient}
+"""The rollout client of each HTTP dialect (`config.engine_kinds.EngineKind.dialect`)."""
+
+
 def engine_client(kind: str, urls: list[str], **kwargs: Any) -> SGLangClient:
     """The rollout client for `engine.kind` (`embedded` and `sglang` speak SGLang's API)."""
-    return VLLMClient(urls, **kwargs) if kind == "vllm" else SGLangClient(urls, **kwargs)
+    return CLIENTS[engine_kind(kind).dialect](urls, **kwargs)

@@ -23,6 +23,7 @@ from typing import Any
 
 from slime_async.agents.server import close_shared_server
 from slime_async.config import load_config
+from slime_async.config.engine_kinds import engine_kind
 from slime_async.config.model_dir import resolve_model_path
 from slime_async.data import build_envs, build_tasks, close_shared_remote_rewards, load_state, save_state
 from slime_async.env import Sampling
@@ -104,7 +105,8 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
     tasks = build_tasks(cfg, envs, state=state, shard=(worker, num_workers))
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    replay = replay_shape(model_dir, cfg.train.moe.routing_replay, cfg.engine.kind)
+    kind = engine_kind(cfg.engine.kind)
+    replay = replay_shape(model_dir, cfg.train.moe.routing_replay, None if kind.routed_experts else kind.label)
     sampling = Sampling.from_config(r.sampling)
     # Each worker admits its share of the batch, so that the workers together keep the global bound.
     batch_share = max(1, r.batch_size // num_workers)

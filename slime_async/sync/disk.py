@@ -1,7 +1,9 @@
-"""Disk mode: one safetensors file per version, written so that a reader never sees half of it."""
+"""Disk mode: one safetensors file per version, written so that a reader never sees half of it, then
+each engine told to load it (SGLang's `/update_weights_from_disk`, or vLLM's reload: `sync.vllm`)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -11,6 +13,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from slime_async.sync.push import Engines, NamedWeights, Prepared
+from slime_async.sync.vllm import vllm_push_disk, with_tied_head
 
 WEIGHTS_FILE = "model.safetensors"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
@@ -50,3 +55,24 @@ def prune_versions(root: Path, keep: int) -> list[Path]:
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
+
+
+async def prepare_disk(pub: Engines, weights: NamedWeights, version: int, disk_dir: Path) -> Prepared:
+    """Write `version`'s file once; returns the per-engine push (its kind's disk route), the bytes, 1."""
+    def write() -> tuple[Path, int]:
+        named = list(weights())
+        if pub.kind.tied_head_by_name:
+            named = with_tied_head(named)
+        return write_version(disk_dir, version, named), sum(t.numel() * t.element_size() for _, t in named)
+
+    path, nbytes = await asyncio.to_thread(write)
+
+    async def push_disk(url: str) -> None:
+        if pub.kind.dialect == "vllm":
+            await vllm_push_disk(pub, url, path.resolve(), version)
+            return
+        await pub.pause(url)
+        await pub.post(url, "/update_weights_from_disk", {
+            "model_path": str(path.resolve()), "weight_version": str(version), "flush_cache": False})
+
+    return push_disk, nbytes, 1

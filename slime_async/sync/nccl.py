@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from slime_async.config.schema import SyncConfig
+from slime_async.sync.buckets import bucket_named_tensors
+from slime_async.sync.push import NamedWeights, Prepared
 
 GROUP_NAME = "weight_update_group"
 
@@ -122,7 +124,7 @@ class NcclBroadcaster:
             world = 1 + len(urls)
             self._abandoned.clear()
             forming = self._in_daemon_thread(self._form_group, port, world)
-            inits = [asyncio.ensure_future(self.publisher._post(u, "/init_weights_update_group", {
+            inits = [asyncio.ensure_future(self.publisher.post(u, "/init_weights_update_group", {
                 "master_address": self.cfg.nccl_master_address, "master_port": port, "rank_offset": 1 + i,
                 "world_size": world, "group_name": GROUP_NAME, "backend": self.backend,
             })) for i, u in enumerate(urls)]
@@ -144,7 +146,7 @@ class NcclBroadcaster:
         async with self._broadcast_lock:
             # every engine paused in place first (the publisher continues each once whole): an unpaused
             # SGLang engine would hold its part of the broadcast until its running requests finish
-            await asyncio.gather(*(self.publisher._pause(u) for u in self.publisher.urls))
+            await asyncio.gather(*(self.publisher.pause(u) for u in self.publisher.urls))
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
                 body = {
@@ -154,7 +156,7 @@ class NcclBroadcaster:
                 }
                 if last:
                     body["weight_version"] = str(version)
-                posts = [self.publisher._post(u, "/update_weights_from_distributed", body)
+                posts = [self.publisher.post(u, "/update_weights_from_distributed", body)
                          for u in self.publisher.urls]
                 await asyncio.gather(*posts, asyncio.to_thread(self._broadcast, bucket))
 
@@ -167,3 +169,20 @@ class NcclBroadcaster:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(self.group)
         self.group = None
+
+
+def prepare_nccl(nccl: NcclBroadcaster, weights: NamedWeights, version: int, limit: int) -> Prepared:
+    """Bucket the weights; returns the per-engine push (one broadcast shared by every engine), the bytes
+    and the number of buckets."""
+    named = list(weights())
+    buckets = bucket_named_tensors(named, limit)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    shared: list[asyncio.Future] = []
+
+    async def push_nccl(url: str) -> None:
+        # one broadcast reaches every engine: the per-engine pushes share it (a failed one restarts)
+        if not shared or (shared[0].done() and shared[0].exception() is not None):
+            shared[:] = [asyncio.ensure_future(nccl.push(buckets, version))]
+        await asyncio.shield(shared[0])
+
+    return push_nccl, nbytes, len(buckets)

@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,27 +32,13 @@ import aiohttp
 import msgspec
 import torch
 
+from slime_async.config.engine_kinds import engine_kind as engine_kind_of
 from slime_async.config.schema import SyncConfig
-from slime_async.engine.shared_tensors import serialize_shared
-from slime_async.engine.weights import safetensors_bytes
-from slime_async.sync.buckets import bucket_named_tensors
-from slime_async.sync.disk import prune_versions, write_version
-from slime_async.sync.vllm import vllm_push_disk, with_tied_head
+from slime_async.sync.disk import prepare_disk, prune_versions
+from slime_async.sync.push import NamedWeights, Prepared, PushError
+from slime_async.sync.tensor import prepare_tensor
 
 log = logging.getLogger(__name__)
-
-NamedWeights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
-"""Called once per publish: yields (HF name, tensor) for every parameter (`TrainerBackend.named_weights`)."""
-
-
-class PushError(RuntimeError):
-    """An engine refused or failed a weight update; the message names the engine and the endpoint."""
-
-    def __init__(self, message: str, retryable: bool = True) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-        """False when retrying cannot help (the engine does not implement the endpoint: HTTP 501)."""
-
 
 @dataclass
 class PublishReport:
@@ -90,11 +76,12 @@ class WeightPublisher:
             raise ValueError("sync: no engine URLs to publish weights to")
         if cfg.mode == "disk" and disk_dir is None:
             raise ValueError("sync.mode=disk needs a directory (sync.disk_dir) that the engines can read")
-        if engine_kind == "vllm" and cfg.mode != "disk":
-            raise ValueError(f"sync.mode={cfg.mode}: vLLM engines take weights from disk here (vLLM's own "
-                             "weight-transfer engines are CUDA IPC and NCCL only); set sync.mode: disk")
-        self.vllm = engine_kind == "vllm"
-        """vLLM's routes (`slime_async.sync.vllm`) instead of SGLang's."""
+        self.kind = engine_kind_of(engine_kind)
+        """The engines' routes and what they take (`config.engine_kinds`)."""
+        if cfg.mode not in self.kind.sync_modes:
+            raise ValueError(f"sync.mode={cfg.mode}: {self.kind.label} engines take sync.mode "
+                             f"{' or '.join(self.kind.sync_modes)} here ({self.kind.sync_note}); "
+                             f"set sync.mode: {self.kind.sync_modes[0]}")
         self.urls = [u.rstrip("/") for u in urls]
         self.cfg = cfg
         self.disk_dir = disk_dir
@@ -155,10 +142,20 @@ class WeightPublisher:
             raise PushError(f"{url}{path}: HTTP {status}: {message}", retryable=status != 501)
         return out
 
+    async def post(self, url: str, path: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
+        """POST to one engine's route (for the push modes in other modules: `nccl`, `vllm`)."""
+        return await self._post(url, path, body)
+
+    async def pause(self, url: str) -> None:
+        """Pause one engine for a push (in place: its kind's `pause_route`) and remember it:
+        `_push_with_retries` lets it go on once the push is whole (see the module's docstring)."""
+        await self._post(url, self.kind.pause_route, dict(self.kind.pause_body))
+        self._paused.add(url)
+
     async def engine_version(self, url: str) -> int | None:
         """The version an engine reports, or None when it cannot be reached or reports no number."""
         try:
-            async with self.session.get(url + ("/weight_info" if self.vllm else "/get_model_info"),
+            async with self.session.get(url + self.kind.version_route,
                                         headers=self.headers) as r:
                 if r.status != 200:
                     return None
@@ -176,9 +173,7 @@ class WeightPublisher:
 
     async def set_version(self, version: int) -> None:
         """Stamp `version` on every engine without new weights (e.g. after a resume that loaded them)."""
-        body: dict[str, Any] = {"new_version": str(version)}
-        if not self.vllm:
-            body["abort_all_requests"] = False
+        body: dict[str, Any] = {"new_version": str(version), **self.kind.version_stamp}
         await asyncio.gather(*(self._post(u, "/update_weight_version", body) for u in self.urls))
 
     # --- sharing the GPUs with the trainer ------------------------------------------------
@@ -258,7 +253,7 @@ class WeightPublisher:
                 log.warning("reconcile: engines still behind version %s: %s", version, report.failed)
         if not self._started:
             self._started = True
-            path = "/resume" if self.vllm else "/continue_generation"
+            path = self.kind.resume_route
             others = [u for u in versions if u not in behind]
             await asyncio.gather(*(self._resume(u, path) for u in others))
         return behind
@@ -269,97 +264,23 @@ class WeightPublisher:
         except PushError as exc:  # down or restarting: it starts unpaused, or the next reconcile finds it
             log.warning("resume generation on %s failed: %s", url, exc)
 
-    async def _prepare(self, weights: NamedWeights, version: int) -> tuple[Callable[[str], Any], int, int]:
-        """Serialise once for all engines; returns the per-engine push coroutine factory."""
+    async def _prepare(self, weights: NamedWeights, version: int) -> Prepared:
+        """Serialise once for all engines; returns the per-engine push coroutine factory. One module per
+        mode: `sync.tensor`, `sync.disk`, `sync.nccl`."""
         mode = self.cfg.mode
         limit = int(self.cfg.bucket_mb * 1024 * 1024)
         if mode == "tensor":
-            def encode() -> tuple[list[bytes], int, int, Callable[[], list[bytes]] | None]:
-                named = list(weights())
-                nbytes = sum(t.numel() * t.element_size() for _, t in named)
-                if self._shared_format(named):
-                    if any(t.is_cuda for _, t in named):
-                        torch.cuda.synchronize()  # the optimizer's last kernels must have written the weights
-                    # handles are a few bytes each: one request, so no pause is needed around it
-                    bodies = [_tensor_body([serialize_shared(named)] * self.engine_tp_size, version, last=True)]
-                    return bodies, nbytes, 1, lambda: _safetensors_bodies(named, limit, version)
-                bodies = _safetensors_bodies(named, limit, version)
-                return bodies, nbytes, len(bodies), None
-
-            payloads, nbytes, nbuckets, fallback = await asyncio.to_thread(encode)
-            copies: list[list[bytes]] = []
-
-            async def push_tensor(url: str) -> None:
-                if fallback is not None and url in self._no_shared:
-                    if not copies:  # made once, for every engine that cannot open the handles
-                        copies.append(await asyncio.to_thread(fallback))
-                    await self._push_tensor(url, copies[0], version)
-                    return
-                try:
-                    await self._push_tensor(url, payloads, version)
-                except PushError as exc:
-                    if fallback is None or "cannot open shared tensors" not in str(exc):
-                        raise
-                    # another host or GPU: the engine cannot map our memory; send bytes from now on
-                    log.warning("%s cannot open shared tensors; sending it safetensors instead: %s", url, exc)
-                    self._no_shared.add(url)
-                    await push_tensor(url)
-
-            return push_tensor, nbytes, nbuckets
+            return await prepare_tensor(self, weights, version, limit, self._no_shared)
         if mode == "disk":
             assert self.disk_dir is not None
-            disk_dir = self.disk_dir
-
-            def write() -> tuple[Path, int]:
-                named = list(weights())
-                if self.vllm:
-                    named = with_tied_head(named)
-                return write_version(disk_dir, version, named), sum(t.numel() * t.element_size() for _, t in named)
-
-            path, nbytes = await asyncio.to_thread(write)
-
-            async def push_disk(url: str) -> None:
-                if self.vllm:
-                    await vllm_push_disk(self, url, path.resolve(), version)
-                    return
-                await self._pause(url)
-                await self._post(url, "/update_weights_from_disk", {
-                    "model_path": str(path.resolve()), "weight_version": str(version), "flush_cache": False})
-
-            return push_disk, nbytes, 1
+            return await prepare_disk(self, weights, version, self.disk_dir)
         if mode == "nccl":
-            from slime_async.sync.nccl import NcclBroadcaster
+            from slime_async.sync.nccl import NcclBroadcaster, prepare_nccl
 
             if self._nccl is None:
                 self._nccl = NcclBroadcaster(self, self.cfg)
-            named = list(weights())
-            buckets = bucket_named_tensors(named, limit)
-            nbytes = sum(t.numel() * t.element_size() for _, t in named)
-            nccl = self._nccl
-            shared: list[asyncio.Future] = []
-
-            async def push_nccl(url: str) -> None:
-                # one broadcast reaches every engine: the per-engine pushes share it (a failed one restarts)
-                if not shared or (shared[0].done() and shared[0].exception() is not None):
-                    shared[:] = [asyncio.ensure_future(nccl.push(buckets, version))]
-                await asyncio.shield(shared[0])
-
-            return push_nccl, nbytes, len(buckets)
+            return prepare_nccl(self._nccl, weights, version, limit)
         raise ValueError(f"sync.mode: expected tensor, disk or nccl, got {mode!r}")
-
-    def _shared_format(self, named: list[tuple[str, torch.Tensor]]) -> bool:
-        fmt = self.cfg.tensor_format
-        return fmt == "shared" or (fmt == "auto" and any(t.is_cuda for _, t in named))
-
-    async def _push_tensor(self, url: str, bodies: list[bytes], version: int) -> None:
-        await self._pause(url)
-        for body in bodies:
-            await self._post(url, "/update_weights_from_tensor", body)
-
-    async def _pause(self, url: str) -> None:
-        """Pause in place (see the module's docstring); `_push_with_retries` continues once whole."""
-        await self._post(url, "/pause_generation", {"mode": "in_place"})
-        self._paused.add(url)
 
     async def _push_with_retries(self, push: Callable[[str], Any], url: str) -> tuple[int, str | None]:
         """(attempts made, last error or None)."""
@@ -371,7 +292,7 @@ class WeightPublisher:
             try:
                 await push(url)
                 if url in self._paused:  # whole again: serve (also after an earlier half-done push)
-                    await self._post(url, "/resume" if self.vllm else "/continue_generation", {})
+                    await self._post(url, self.kind.resume_route, {})
                     self._paused.discard(url)
                 return attempt + 1, None
             except PushError as exc:
@@ -381,19 +302,3 @@ class WeightPublisher:
                 log.warning("weight push to %s failed (attempt %d of %d): %s",
                             url, attempt + 1, self.cfg.retries + 1, error)
         return self.cfg.retries + 1, error
-
-
-def _tensor_body(items: list[str] | list[bytes], version: int, last: bool) -> bytes:
-    """One `/update_weights_from_tensor` request body (the version on the last; no cache flush: the
-    engine is paused in place with requests running, see the module's docstring)."""
-    body: dict[str, Any] = {"serialized_named_tensors": items, "flush_cache": False}
-    if last:
-        body["weight_version"] = str(version)
-    return msgspec.json.encode(body)
-
-
-def _safetensors_bodies(named: list[tuple[str, torch.Tensor]], limit: int, version: int) -> list[bytes]:
-    """The weights as safetensors files of at most `limit` bytes (a larger tensor goes alone), one
-    request body each, shared by every engine."""
-    buckets = bucket_named_tensors(named, limit)
-    return [_tensor_body([safetensors_bytes(b)], version, last=i == len(buckets) - 1) for i, b in enumerate(buckets)]

@@ -50,11 +50,10 @@ def with_tied_head(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tor
 async def vllm_push_disk(publisher: Any, url: str, path: Path, version: int) -> None:
     """Load `path` (a directory with the version's `model.safetensors`) into the vLLM at `url`.
 
-    Leaves the engine in `publisher._paused` (the caller resumes it once the whole push is done).
+    Leaves the engine paused (`publisher.pause`: the publisher resumes it once the whole push is done).
     """
-    await publisher._post(url, "/pause?mode=keep", {})
-    publisher._paused.add(url)
-    await publisher._post(url, "/collective_rpc",
-                          {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
-    await publisher._post(url, "/reset_prefix_cache", {})
-    await publisher._post(url, "/update_weight_version", {"new_version": str(version)})
+    await publisher.pause(url)  # its kind's pause: `/pause?mode=keep`
+    await publisher.post(url, "/collective_rpc",
+                         {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+    await publisher.post(url, "/reset_prefix_cache", {})
+    await publisher.post(url, "/update_weight_version", {"new_version": str(version)})

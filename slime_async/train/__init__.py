@@ -13,7 +13,10 @@ Owns:
   `build_trainer(config, source, engine_urls)`; `memory_source`: an in-memory `BatchSource`;
   `ranks`: several trainer ranks on one loop (rank 0 reads the buffer and publishes, the others
   follow over a gloo control group).
-- `tiny_model`: the local model that `slime-async init-model` makes.
+- `recorder`: what the trainer records for the dashboard at each step (trajectories with their
+  advantages into `dashboard.store`, the buffer's books into `buffer.jsonl`).
+- `synthetic`: made-up trajectories (random tokens, groups, rewards) for the trainer's tests and
+  benchmarks.
 
 Does not own: inference; how weights travel to engines (`sync`); which trajectories are ready or
 too stale (`buffer`); starting processes (`launch`).

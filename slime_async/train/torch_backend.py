@@ -25,8 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slime_async.config.schema import MoeConfig
+from slime_async.moe.hf_layout import checkpoint_views
 from slime_async.moe.shape import moe_shape
-from slime_async.sync.hf_layout import checkpoint_views
 from slime_async.train.backend import Logprobs, LossFn, StepResult, metric_floats
 from slime_async.train.batch import Batch
 from slime_async.train.fused_logprobs import fused_logprobs
@@ -224,7 +224,7 @@ class TorchBackend:
     # --- weights and state ----------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        # checkpoint names: an MoE model's fused experts go out one expert at a time (`sync.hf_layout`)
+        # checkpoint names: an MoE model's fused experts go out one expert at a time (`moe.hf_layout`)
         for name, view in checkpoint_views(self.model).items():
             yield name, view.to(self.export_dtype)
 

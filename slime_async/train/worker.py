@@ -9,7 +9,7 @@ appends one JSON line to `<run dir>/metrics.jsonl` (mirrored to TensorBoard and 
 the ids it trained to `<run dir>/trained_ids.jsonl`, and every `log.sample_every` steps a few of the
 batch's trajectories, decoded, to `<run dir>/samples.md`; with `log.trajectories` every trained
 trajectory (with its advantage) to `<run dir>/trajectories.sqlite` and the buffer's books to
-`<run dir>/buffer.jsonl`, for the dashboard (`slime_async.dashboard.recorder`). Coming back from a
+`<run dir>/buffer.jsonl`, for the dashboard (`slime_async.train.recorder`). Coming back from a
 checkpoint, it drops the lines (and rows) of the steps it undid and says so in `<run dir>/events.jsonl`.
 SIGTERM/SIGINT end it after the batch in progress (a checkpoint is
 written at the end of a complete run).
@@ -130,9 +130,9 @@ async def lead(cfg: Config, buffer: str, engines: list[str], ranks: ControlGroup
     """Rank 0 (or the only rank): the buffer, the engines, the metrics and samples."""
     from slime_async.buffer import BufferClient
     from slime_async.config.model_dir import load_tokenizer, resolve_model_path
+    from slime_async.rundir.run_log import TRAINED_IDS, append_event, roll_back_metrics
     from slime_async.train.build import build_trainer, run_dir
     from slime_async.train.metrics_log import MetricsLog
-    from slime_async.train.run_log import TRAINED_IDS, append_event, roll_back_metrics
     from slime_async.train.samples import append_samples
 
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
@@ -148,8 +148,8 @@ async def lead(cfg: Config, buffer: str, engines: list[str], ranks: ControlGroup
     roll_back_metrics(out_dir / TRAINED_IDS, trainer.version)
     recorder = None
     if cfg.log.trajectories:  # the dashboard's record: trajectories with advantages, the buffer's books
-        from slime_async.dashboard.recorder import RunRecorder
         from slime_async.train.objective import Objective
+        from slime_async.train.recorder import RunRecorder
 
         try:
             recorder = RunRecorder(out_dir, tokenizer, Objective(cfg.train).advantage, client)

@@ -11,9 +11,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from slime_async.dashboard.run_files import RunDirError, parse_jsonl
 from slime_async.dashboard.run_view import open_runs
 from slime_async.dashboard.server import Dashboard, DashboardError, start
+from slime_async.rundir.run_files import RunDirError, parse_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 

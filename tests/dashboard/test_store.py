@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from slime_async.dashboard.recorder import advantages_of
 from slime_async.dashboard.store import Filters, StoreError, TrajectoryStore, TrajectoryWriter
+from slime_async.train.recorder import advantages_of
 from slime_async.types import StopReason, Trajectory, Turn
 
 

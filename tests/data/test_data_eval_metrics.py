@@ -6,7 +6,7 @@ from math import comb
 
 import pytest
 
-from slime_async.data.eval_metrics import group_metrics, pass_at_k, reward_metrics
+from slime_async.evaluation.metrics import group_metrics, pass_at_k, reward_metrics
 from slime_async.types import StopReason, Trajectory, Turn
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from slime_async.config import load_config
-from slime_async.data import EvalSuite, run_suites, suites_from_config
 from slime_async.env import EnvFactory, Limits, Sampling
+from slime_async.evaluation import EvalSuite, run_suites, suites_from_config
 from slime_async.launch.process import EngineProcess
 from slime_async.rollout import ListSink, Scheduler, SGLangClient
 

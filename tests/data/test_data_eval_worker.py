@@ -13,7 +13,7 @@ import pytest
 from helpers import post
 
 from slime_async.config import load_config, to_yaml
-from slime_async.data.eval_worker import next_due
+from slime_async.evaluation.worker import next_due
 from slime_async.launch.process import EngineProcess, start_process
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ async def test_rounds_follow_the_engine_version(tmp_path: Path, engine: EnginePr
     config = tmp_path / "config.yaml"
     config.write_text(to_yaml(cfg))
     out = tmp_path / "eval.jsonl"
-    worker = start_process("eval", [sys.executable, "-m", "slime_async.data.eval_worker", str(config), "--engine",
+    worker = start_process("eval", [sys.executable, "-m", "slime_async.evaluation.worker", str(config), "--engine",
                                     engine.url, "--out", str(out), "--poll-s", "0.2"], r"^READY", timeout=120)
     try:
         wait_until(lambda: len(rounds(out)) >= 1, 120, "the baseline round")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import PROMPTS, greedy_body, hf_greedy, post
 
-from slime_async.engine.weights import encode_named_tensors
+from slime_async.weight_wire.codec import encode_named_tensors
 
 
 def sampled(ids: list[int], n: int = 8, **params: object) -> dict:

@@ -29,7 +29,7 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(20, 47)), [7, 8]]
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny-moe preset with seeded noise for weights: routing varies from token to token."""
-    from slime_async.train.tiny_model import cached_model_dir
+    from slime_async.models.tiny_model import cached_model_dir
 
     return perturbed_copy(cached_model_dir("tiny-moe", seed=0), tmp_path_factory.mktemp("moe"), seed=1)
 
@@ -219,8 +219,8 @@ async def test_bad_routed_experts_start_len_is_a_400_naming_it(moe_url: str, sta
 
 
 async def test_update_by_checkpoint_expert_names_changes_the_model(moe_url: str, moe_dir: Path) -> None:
-    from slime_async.engine.weights import encode_named_tensors
-    from slime_async.sync.hf_layout import checkpoint_views
+    from slime_async.moe.hf_layout import checkpoint_views
+    from slime_async.weight_wire.codec import encode_named_tensors
 
     changed = AutoModelForCausalLM.from_pretrained(moe_dir).eval()
     g = torch.Generator().manual_seed(5)

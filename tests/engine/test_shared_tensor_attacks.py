@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.multiprocessing import reductions
 
-from slime_async.engine.shared_tensors import deserialize_shared, serialize_shared
+from slime_async.weight_wire.shared_tensors import deserialize_shared, serialize_shared
 
 
 class Call:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import PROMPTS, greedy_body, hf_greedy, perturbed, post, wait_for_tokens
 
-from slime_async.engine.weights import encode_named_tensors
+from slime_async.weight_wire.codec import encode_named_tensors
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ async def test_an_update_with_a_tensor_without_data_changes_nothing(engine_url: 
                                                                     other: torch.nn.Module) -> None:
     # SGLang's shared format can carry a meta tensor (shape, no data): once it failed at its own copy,
     # after the weights before it had changed, with the version left as it was
-    from slime_async.engine.shared_tensors import serialize_shared
+    from slime_async.weight_wire.shared_tensors import serialize_shared
 
     named = [("model.norm.weight", other.state_dict()["model.norm.weight"]),
              ("model.layers.0.input_layernorm.weight", torch.empty(256, device="meta"))]

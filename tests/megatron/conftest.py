@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
-
-# the trainer tests' made-up trajectories (tests/train/trajectories.py)
-sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
 
 VOCAB = 300  # not a multiple of 128: the Megatron embedding is padded to 384 rows
 

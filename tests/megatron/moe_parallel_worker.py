@@ -15,14 +15,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
-from trajectories import make_trajectories
-
 from slime_async.config.schema import MegatronConfig, MoeConfig, TrainConfig
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.distributed import close_distributed
 from slime_async.train.megatron.backend import MegatronBackend
 from slime_async.train.objective import Objective
+from slime_async.train.synthetic import make_trajectories
 
 LAYERS, K, EXPERTS = 4, 2, 8
 LAYOUTS = {

@@ -9,12 +9,8 @@ exported weights before and after it.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
-from trajectories import make_trajectories
 
 from slime_async.config.schema import MegatronConfig, TrainConfig
 from slime_async.sync import megatron_names as names
@@ -23,6 +19,7 @@ from slime_async.train.distributed import close_distributed
 from slime_async.train.megatron.backend import MegatronBackend
 from slime_async.train.megatron.weights import _gather_tp, global_names
 from slime_async.train.objective import Objective
+from slime_async.train.synthetic import make_trajectories
 
 
 def main(model_dir: str, out: str, tp: int) -> None:

@@ -9,11 +9,8 @@ change the weights). Prints `DONE` once the buffer acknowledged all of them.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
-from trajectories import make_trajectories
-
+from slime_async.train.synthetic import make_trajectories
 from slime_async.transport import SyncSender
 
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from trajectories import make_trajectories
 
 from slime_async.config.schema import Config, MegatronConfig, TrainConfig
 from slime_async.sync import megatron_names as names
@@ -16,6 +15,7 @@ from slime_async.train.build import build_backend
 from slime_async.train.megatron.backend import MegatronBackend
 from slime_async.train.megatron.weights import export_hf, global_names
 from slime_async.train.objective import Objective
+from slime_async.train.synthetic import make_trajectories
 from slime_async.train.torch_backend import TorchBackend
 
 

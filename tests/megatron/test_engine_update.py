@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 from helpers import hf_greedy, perturbed, post
-from trajectories import make_trajectories
 from transformers import AutoModelForCausalLM
 
 from slime_async.config.schema import SyncConfig, TrainConfig
@@ -19,6 +18,7 @@ from slime_async.sync import WeightPublisher
 from slime_async.train.batch import build_batch
 from slime_async.train.megatron.backend import MegatronBackend
 from slime_async.train.objective import Objective
+from slime_async.train.synthetic import make_trajectories
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [40, 41], [100, 7, 300, 2]]
 

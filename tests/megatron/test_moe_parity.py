@@ -22,14 +22,14 @@ import torch.nn.functional as F
 from helpers import wait_all
 from safetensors import safe_open
 from test_backend import hf_grads
-from trajectories import make_trajectories
 from transformers import AutoModelForCausalLM
 
 from slime_async.config.schema import MegatronConfig, MoeConfig, TrainConfig
+from slime_async.models.tiny_model import cached_model_dir
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.megatron.backend import MegatronBackend
 from slime_async.train.objective import Objective
-from slime_async.train.tiny_model import cached_model_dir
+from slime_async.train.synthetic import make_trajectories
 from slime_async.train.torch_backend import TorchBackend
 
 LAYERS, K, EXPERTS = 4, 2, 8

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import wait_all
-from trajectories import make_trajectories
 from transformers import AutoModelForCausalLM
 
 from slime_async.config.schema import TrainConfig
 from slime_async.train.batch import build_batch
 from slime_async.train.objective import Objective
+from slime_async.train.synthetic import make_trajectories
 from slime_async.train.torch_backend import TorchBackend
 
 WORKER = Path(__file__).with_name("parallel_worker.py")

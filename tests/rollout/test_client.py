@@ -11,9 +11,9 @@ import torch
 from aiohttp import web
 from helpers import PROMPTS, hf_greedy, perturbed, post, wait_for_tokens
 
-from slime_async.engine.weights import encode_named_tensors
 from slime_async.launch.process import EngineProcess
 from slime_async.rollout.client import ServerError, SGLangClient
+from slime_async.weight_wire.codec import encode_named_tensors
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 

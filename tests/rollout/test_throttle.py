@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from slime_async.data.eval_worker import engine_version
+from slime_async.evaluation.worker import engine_version
 from slime_async.rollout.throttle import Throttled
 
 

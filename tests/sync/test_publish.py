@@ -181,8 +181,8 @@ def test_shared_tensor_items_are_small_and_refuse_foreign_code() -> None:
     import base64
     import pickle
 
-    from slime_async.engine.shared_tensors import deserialize_shared, serialize_shared
-    from slime_async.engine.weights import decode_named_tensors
+    from slime_async.weight_wire.codec import decode_named_tensors
+    from slime_async.weight_wire.shared_tensors import deserialize_shared, serialize_shared
 
     big = torch.randn(256, 1024)
     item = serialize_shared([("w", big)])
@@ -204,7 +204,7 @@ async def test_engine_that_cannot_open_the_handles_gets_safetensors(engine, base
     # an engine on another host answers that it cannot open them: that engine gets the bytes instead
     import base64
 
-    import slime_async.sync.publisher as publisher
+    import slime_async.sync.tensor as publisher  # tensor mode's module serialises the handles
 
     real = publisher.serialize_shared
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-from trajectories import make_trajectories
 
 from slime_async.train.batch import build_batch
+from slime_async.train.synthetic import make_trajectories
 from slime_async.types import StopReason, Trajectory, Turn
 
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from trajectories import make_trajectories
 
 from slime_async.config.schema import TrainConfig
 from slime_async.sync.publisher import NamedWeights, PublishReport
 from slime_async.train.backend import StepResult
 from slime_async.train.loop import BatchSource, StepRecord, Trainer
 from slime_async.train.memory_source import InMemorySource
+from slime_async.train.synthetic import make_trajectories
 from slime_async.train.torch_backend import TorchBackend
 
 

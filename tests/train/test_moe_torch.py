@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from trajectories import make_trajectories
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter, load_balancing_loss_func
 
 from slime_async.config.schema import MoeConfig, TrainConfig
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.objective import Objective
+from slime_async.train.synthetic import make_trajectories
 from slime_async.train.torch_backend import TorchBackend
 
 LAYERS, K, E = 4, 2, 8

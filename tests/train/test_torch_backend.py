@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from trajectories import make_trajectories
 
 from slime_async.config.model_dir import check_model_dir
 from slime_async.config.schema import TrainConfig
 from slime_async.train.backend import Logprobs
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.objective import Objective
+from slime_async.train.synthetic import make_trajectories
 from slime_async.train.torch_backend import TorchBackend
 
 

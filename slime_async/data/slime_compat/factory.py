@@ -29,6 +29,7 @@ from slime_async.data.slime_compat.rm_hub import async_rm, batched_async_rm
 from slime_async.data.slime_compat.sample import Sample
 from slime_async.data.slime_compat.turns import to_turns
 from slime_async.env import Env, EnvArgs, EnvFactory, EnvLoadError, Limits, Policy, Sampling, group_reward
+from slime_async.env.policy import ServerError
 from slime_async.types import StopReason, Task, Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -307,8 +308,6 @@ class SlimeGenerateFactory(EnvFactory):
             return StopReason.EPISODE_TIMEOUT, "", []
         exc = job.exception()
         if exc is not None:
-            from slime_async.rollout.client import ServerError
-
             kind = StopReason.SERVER_ERROR if isinstance(exc, ServerError) else StopReason.ENV_ERROR
             return kind, f"generate function raised {type(exc).__name__}: {exc}", []
         result = job.result()

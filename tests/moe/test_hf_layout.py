@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from slime_async.sync.hf_layout import checkpoint_views
+from slime_async.moe.hf_layout import checkpoint_views
 
 
 @pytest.mark.parametrize("which", ["tiny_model_dir", "tiny_moe_dir"])

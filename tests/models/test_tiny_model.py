@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from slime_async.train.tiny_model import ADDED_TOKENS, PRESETS, SPECIAL_TOKENS, ModelSpec, make_model
+from slime_async.models.tiny_model import ADDED_TOKENS, PRESETS, SPECIAL_TOKENS, ModelSpec, make_model
 
 TOOLS = [
     {

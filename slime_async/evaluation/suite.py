@@ -18,10 +18,10 @@ from typing import Any
 
 from slime_async.config.schema import Config
 from slime_async.data.build import build_envs, env_factory, open_source, row_format
-from slime_async.data.eval_metrics import group_metrics
 from slime_async.data.router import EnvRouter
 from slime_async.data.stream import TaskStream
 from slime_async.env import EnvFactory, Limits, Sampling, VerifierPool
+from slime_async.evaluation.metrics import group_metrics
 from slime_async.rollout import ListSink, RolloutStats, Scheduler, SGLangClient
 from slime_async.types import Task, Trajectory
 

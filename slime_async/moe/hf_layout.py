@@ -7,7 +7,7 @@ rows) and `mlp.experts.down_proj` [E, H, I]. Everything else keeps its name.
 
 `checkpoint_views` maps every checkpoint name to a view of the module's own storage: exporting reads
 the views, an in-place update copies into them, and no fused tensor is ever rebuilt. The layout is
-checked against transformers' own `save_pretrained` in `tests/sync/test_hf_layout.py`.
+checked against transformers' own `save_pretrained` in `tests/moe/test_hf_layout.py`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """An evaluation worker process: runs the config's `data.eval` suites beside training, on a schedule.
 
-`python -m slime_async.data.eval_worker CONFIG_YAML --engine URL [--engine URL ...] --out FILE`
+`python -m slime_async.evaluation.worker CONFIG_YAML --engine URL [--engine URL ...] --out FILE`
 prints `READY`, then watches the engines' weight version (`/get_model_info`) and runs every suite
 whenever the version reaches the next multiple of `data.eval_every` (version 0 first: the
 baseline), appending one JSON line per round to FILE: `{"version": v, "eval/NAME/pass@1": ...}`.
@@ -26,13 +26,13 @@ import aiohttp
 from slime_async.agents.server import close_shared_server
 from slime_async.config import Config, load_config
 from slime_async.config.model_dir import resolve_model_path
-from slime_async.data.eval_suite import EvalSuite, run_suites, suites_from_config
 from slime_async.data.remote_reward import close_shared_remote_rewards
+from slime_async.evaluation.suite import EvalSuite, run_suites, suites_from_config
 from slime_async.rollout.throttle import Throttled
 from slime_async.rollout.vllm_client import engine_client
 from slime_async.train.metrics_log import MetricsLog
 
-log = logging.getLogger("slime_async.data.eval_worker")
+log = logging.getLogger("slime_async.evaluation.worker")
 
 
 def next_due(version: int, every: int) -> int:
@@ -123,7 +123,7 @@ async def main_async(config: str, engines: list[str], out: str, once: bool, poll
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m slime_async.data.eval_worker")
+    parser = argparse.ArgumentParser(prog="python -m slime_async.evaluation.worker")
     parser.add_argument("config")
     parser.add_argument("--engine", action="append", required=True, help="URL of an engine (repeat)")
     parser.add_argument("--out", required=True, help="JSON-lines file the rounds are appended to")
