@@ -135,7 +135,8 @@ async def check_abort(url: str, vocab: int) -> dict[str, Any]:
 
 async def client_generate_once(url: str, vocab: int) -> bool:
     async with SGLangClient([url]) as client:
-        gen = await client.generate(prompts(1, vocab, seed=2)[0], {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True})
+        params = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+        gen = await client.generate(prompts(1, vocab, seed=2)[0], params)
         return len(gen.output_ids) == 4
 
 

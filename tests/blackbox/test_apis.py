@@ -14,10 +14,10 @@ from test_endpoint import play, probe_task
 from transformers import AutoTokenizer
 
 from envs.calculator import demo_replies
-from slime_async.dashboard.recorder import advantages_of
 from slime_async.dashboard.store import TrajectoryStore, TrajectoryWriter
 from slime_async.dashboard.trajectory_view import detail
 from slime_async.env import Limits
+from slime_async.train.recorder import advantages_of
 from slime_async.types import StopReason, Task
 
 REPLIES = demo_replies(Task(id="c", prompt="", answer=413, metadata={"steps": ["12*34+5"]}))
