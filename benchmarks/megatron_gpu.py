@@ -177,9 +177,11 @@ def _attention_kernels(rows: list, details: dict) -> None:
 def _megatron(model_dir: Path, dtype: str, attention: str, micro: int, lr: float = 1e-5, fused: bool = True,
               wgrad: bool = True) -> Any:
     from slime_async.config.schema import MegatronConfig
+    from slime_async.train.backend import OptimizerSettings
     from slime_async.train.megatron.backend import MegatronBackend
 
-    return MegatronBackend(model_dir, device=DEVICE, dtype=dtype, micro_batch_size=micro, lr=lr,  # type: ignore[arg-type]
+    return MegatronBackend(model_dir, device=DEVICE, dtype=dtype, micro_batch_size=micro,
+                           optim=OptimizerSettings(lr=lr),  # type: ignore[arg-type]
                            parallel=MegatronConfig(attention=attention, fused_logprobs=fused,  # type: ignore[arg-type]
                                                    wgrad_fusion=wgrad))
 
@@ -252,6 +254,7 @@ def _export(be: Any, model_dir: Path, rows: list, details: dict) -> None:
 
 def _parity(model_dir: Path, rows: list, details: dict) -> None:
     """Megatron vs torch backend logprobs (fp32 and bf16) and one fp32 train step."""
+    from slime_async.train.backend import OptimizerSettings
     from slime_async.train.torch_backend import TorchBackend
 
     batch = _batch(2, SEQ, SHAPE["vocab_size"], seed=2)
@@ -264,7 +267,8 @@ def _parity(model_dir: Path, rows: list, details: dict) -> None:
             result_m = mega.train_step(batch, obj.loss_fn(obj.prepare(batch, got)), 1.0)
         del mega
         _free()
-        ref = TorchBackend(model_dir, device=DEVICE, dtype=dtype, micro_batch_size=1, lr=1e-5)  # type: ignore[arg-type]
+        ref = TorchBackend(model_dir, device=DEVICE, dtype=dtype, micro_batch_size=1,
+                           optim=OptimizerSettings(lr=1e-5))  # type: ignore[arg-type]
         want = ref.logprobs(batch, 1.0).logprobs
         mask = batch.loss_mask.bool()
         diff = (got - want)[mask].abs()

@@ -233,10 +233,11 @@ def _kernel(be: Any) -> str:
 
 def _backend(model_dir: Path, grouped: bool = True) -> Any:
     from slime_async.config.schema import MegatronConfig
+    from slime_async.train.backend import OptimizerSettings
     from slime_async.train.megatron.backend import MegatronBackend
 
     return MegatronBackend(model_dir, device=DEVICE, dtype=TRAIN_DTYPE, micro_batch_size=1,  # type: ignore[arg-type]
-                           lr=1e-5, parallel=MegatronConfig(moe_grouped_gemm=grouped))
+                           optim=OptimizerSettings(lr=1e-5), parallel=MegatronConfig(moe_grouped_gemm=grouped))
 
 
 def decode_rates(model_dir: Path) -> dict[bool, float]:

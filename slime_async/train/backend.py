@@ -40,6 +40,28 @@ current policy's outputs (with gradient, on the backend's device). Returns the m
 of the batch loss (already weighted over the whole batch: shares add up) and metrics to sum."""
 
 
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW as both backends run it, from `train.lr`, `adam_betas`, `adam_eps`, `weight_decay` and
+    `grad_clip` (`from_config`): one place, so a setting added for one backend reaches the other."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0: no clipping."""
+
+    @classmethod
+    def from_config(cls, train: Any) -> OptimizerSettings:
+        """From the config's `train` section (`config.schema.TrainConfig`)."""
+        return cls(lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps,  # type: ignore[arg-type]
+                   weight_decay=train.weight_decay, grad_clip=train.grad_clip)
+
+
+DEFAULT_OPTIMIZER = OptimizerSettings()
+
+
 @dataclass
 class StepResult:
     applied: bool

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from slime_async.config.schema import Config
 from slime_async.sync.publisher import WeightPublisher
-from slime_async.train.backend import TrainerBackend
+from slime_async.train.backend import OptimizerSettings, TrainerBackend
 from slime_async.train.loop import BatchSource, Stateful, Trainer, WeightSink
 
 if TYPE_CHECKING:
@@ -20,8 +20,7 @@ def build_backend(config: Config, model_path: str | Path | None = None) -> Train
 
     tc = config.train
     path = model_path if model_path is not None else resolve_model_path(config.model.path)
-    common = dict(device=config.model.device, dtype=config.model.dtype, lr=tc.lr, betas=tc.adam_betas,
-                  eps=tc.adam_eps, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
+    common = dict(device=config.model.device, dtype=config.model.dtype, optim=OptimizerSettings.from_config(tc),
                   micro_batch_size=tc.micro_batch_size, reference=tc.kl_coef > 0, moe=tc.moe)
     if tc.backend == "megatron":
         if tc.lr_warmup_steps:

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from slime_async.config.schema import MoeConfig
 from slime_async.moe.hf_layout import checkpoint_views
 from slime_async.moe.shape import moe_shape
-from slime_async.train.backend import Logprobs, LossFn, StepResult, metric_floats
+from slime_async.train.backend import DEFAULT_OPTIMIZER, Logprobs, LossFn, OptimizerSettings, StepResult, metric_floats
 from slime_async.train.batch import Batch
 from slime_async.train.fused_logprobs import fused_logprobs
 from slime_async.train.losses import entropy_from_logits
@@ -57,11 +57,7 @@ class TorchBackend:
         *,
         device: str = "auto",
         dtype: Literal["float32", "bfloat16"] = "float32",
-        lr: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        grad_clip: float = 1.0,
+        optim: OptimizerSettings = DEFAULT_OPTIMIZER,
         micro_batch_size: int = 16,
         reference: bool = False,
         warmup_steps: int = 0,
@@ -98,14 +94,15 @@ class TorchBackend:
         # on a GPU: the token logprobs as compiled kernels over the (bf16) logits, no float32 copy kept
         # (`train/fused_logprobs.py`; Inductor's CPU path would need a C++ compiler)
         self.fused_logprobs = self.device.type == "cuda"
-        self.grad_clip = grad_clip
+        self.grad_clip = optim.grad_clip
         self.micro_batch_size = micro_batch_size
-        self.lr = lr
+        self.lr = optim.lr
         self.warmup_steps = warmup_steps
         # fused/foreach kernels differ in rounding from the loop; fixing the implementation keeps
         # runs bit-reproducible on the same machine (checkpoint/resume equivalence relies on it).
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+            self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+            foreach=False)
 
     # --- forward --------------------------------------------------------------------------
 

@@ -155,6 +155,7 @@ def train_sft(cfg: Config, base_dir: Path, out_dir: Path, progress: Progress | N
     """Train `base_dir` on demonstrations and save a HF directory (with the tokenizer) to `out_dir`."""
     from transformers import AutoTokenizer
 
+    from slime_async.train.backend import OptimizerSettings
     from slime_async.train.loop import seed_everything
     from slime_async.train.torch_backend import TorchBackend
 
@@ -181,8 +182,9 @@ def train_sft(cfg: Config, base_dir: Path, out_dir: Path, progress: Progress | N
             raise WarmstartError(f"warmstart: no demonstration of stage {i} has trainable tokens "
                                  f"({dict(built.skipped)})")
         stages.append(built.batch)
-    backend = TorchBackend(base_dir, device=cfg.model.device, dtype=cfg.model.dtype, lr=ws.lr,
-                           grad_clip=cfg.train.grad_clip, micro_batch_size=ws.batch_size)
+    backend = TorchBackend(base_dir, device=cfg.model.device, dtype=cfg.model.dtype,
+                           optim=OptimizerSettings(lr=ws.lr, grad_clip=cfg.train.grad_clip),
+                           micro_batch_size=ws.batch_size)
     steps = ws.epochs * sum(len(data) // ws.batch_size for data in stages)
     sched = torch.optim.lr_scheduler.LambdaLR(backend.optimizer, lambda s: lr_factor(s, steps, ws.warmup_steps))
     gen = torch.Generator().manual_seed(seed)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from slime_async.config.schema import MegatronConfig, MoeConfig, TrainConfig
+from slime_async.train.backend import OptimizerSettings
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.distributed import close_distributed
 from slime_async.train.megatron.backend import MegatronBackend
@@ -70,8 +71,9 @@ def run_step(be: MegatronBackend, layout: str) -> dict[str, Any]:
 def backend(model_dir: str | Path, layout: str, parallel: MegatronConfig | None = None) -> MegatronBackend:
     """The backend of `layout` (one process: `parallel` None)."""
     # Adam eps 1e-6: see test_moe_parity.test_one_train_step_equals_the_torch_backends
-    return MegatronBackend(model_dir, device="cpu", micro_batch_size=2, lr=1e-3, eps=1e-6, grad_clip=0.01,
-                           parallel=parallel, moe=moe_config(layout))
+    return MegatronBackend(model_dir, device="cpu", micro_batch_size=2,
+                           optim=OptimizerSettings(lr=1e-3, eps=1e-6, grad_clip=0.01), parallel=parallel,
+                           moe=moe_config(layout))
 
 
 def main(model_dir: str, out: str, layout: str) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from slime_async.config.schema import MegatronConfig, TrainConfig
 from slime_async.sync import megatron_names as names
+from slime_async.train.backend import OptimizerSettings
 from slime_async.train.batch import build_batch
 from slime_async.train.distributed import close_distributed
 from slime_async.train.megatron.backend import MegatronBackend
@@ -23,7 +24,7 @@ from slime_async.train.synthetic import make_trajectories
 
 
 def main(model_dir: str, out: str, tp: int) -> None:
-    be = MegatronBackend(model_dir, device="cpu", micro_batch_size=2, lr=1e-3, grad_clip=0.01,
+    be = MegatronBackend(model_dir, device="cpu", micro_batch_size=2, optim=OptimizerSettings(lr=1e-3, grad_clip=0.01),
                          parallel=MegatronConfig(tensor_parallel=tp))
     batch = build_batch(make_trajectories(6, vocab=300), max_seq_len=64).batch
     assert batch is not None

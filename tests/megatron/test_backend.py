@@ -9,7 +9,7 @@ import torch
 
 from slime_async.config.schema import Config, MegatronConfig, TrainConfig
 from slime_async.sync import megatron_names as names
-from slime_async.train.backend import Logprobs
+from slime_async.train.backend import Logprobs, OptimizerSettings
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.build import build_backend
 from slime_async.train.megatron.backend import MegatronBackend
@@ -55,7 +55,8 @@ def test_one_train_step_gives_the_torch_backends_loss_and_gradients(family: str,
     # an entropy bonus, so that the entropy's gradient through the vocab-parallel code is compared too
     obj = Objective(TrainConfig(loss="grpo", entropy_coef=0.01))
     results, grads = [], []
-    kw = dict(device="cpu", lr=1e-3, grad_clip=0.01)  # a clip that bites: the clipped gradients are compared
+    # a clip that bites: the clipped gradients are compared
+    kw = dict(device="cpu", optim=OptimizerSettings(lr=1e-3, grad_clip=0.01))
     for be in (MegatronBackend(family_dirs[family], micro_batch_size=2, **kw),  # type: ignore[arg-type]
                TorchBackend(family_dirs[family], micro_batch_size=6, **kw)):  # type: ignore[arg-type]
         prep = obj.prepare(batch, be.logprobs(batch, 1.0).logprobs)
@@ -95,11 +96,11 @@ def test_save_and_load_restore_model_and_optimizer(family_dirs: dict[str, Path],
     def step(be: MegatronBackend) -> None:
         assert be.train_step(batch, obj.loss_fn(obj.prepare(batch, be.logprobs(batch, 1.0).logprobs)), 1.0).applied
 
-    a = MegatronBackend(family_dirs["llama"], device="cpu", lr=1e-3)
+    a = MegatronBackend(family_dirs["llama"], device="cpu", optim=OptimizerSettings(lr=1e-3))
     step(a)
     a.save(tmp_path / "ck")
     assert (tmp_path / "ck" / "model.safetensors").is_file() and (tmp_path / "ck" / "config.json").is_file()
-    b = MegatronBackend(family_dirs["llama"], device="cpu", lr=1e-3)
+    b = MegatronBackend(family_dirs["llama"], device="cpu", optim=OptimizerSettings(lr=1e-3))
     list(b.named_weights())  # an export planned before the load must see the loaded weights
     b.load(tmp_path / "ck")
     for be in (a, b):
@@ -146,7 +147,7 @@ def test_the_logits_reach_the_loss_without_a_copy(family_dirs: dict[str, Path]) 
 def test_the_planned_export_follows_training_and_equals_the_general_one(family_dirs: dict[str, Path]) -> None:
     """A trainer holding the whole model exports from a plan made at its first export (views of the
     parameters): after a train step it must export the new weights, exactly as `export_hf` does."""
-    be = MegatronBackend(family_dirs["qwen3"], device="cpu", lr=1e-2)
+    be = MegatronBackend(family_dirs["qwen3"], device="cpu", optim=OptimizerSettings(lr=1e-2))
     before = {n: t.clone() for n, t in be.named_weights()}
     batch, obj = batch_of(), Objective(TrainConfig())
     assert be.train_step(batch, obj.loss_fn(obj.prepare(batch, be.logprobs(batch, 1.0).logprobs)), 1.0).applied

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from slime_async.config.schema import SyncConfig, TrainConfig
 from slime_async.launch.process import start_engine
 from slime_async.sync import WeightPublisher
+from slime_async.train.backend import OptimizerSettings
 from slime_async.train.batch import build_batch
 from slime_async.train.megatron.backend import MegatronBackend
 from slime_async.train.objective import Objective
@@ -51,7 +52,7 @@ async def greedy(url: str, ids: list[int], n: int = 16) -> tuple[list[int], str]
 @pytest.mark.slow
 async def test_exported_weights_change_the_engines_greedy_output_exactly_as_predicted(engine: Any, varied: Path
                                                                                        ) -> None:
-    backend = MegatronBackend(varied, device="cpu", lr=2e-2, micro_batch_size=4)
+    backend = MegatronBackend(varied, device="cpu", optim=OptimizerSettings(lr=2e-2), micro_batch_size=4)
     before = AutoModelForCausalLM.from_pretrained(varied).eval()
     for p in PROMPTS:
         assert await greedy(engine.url, p) == (hf_greedy(before, p, 16), "0")

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from slime_async.config.schema import MegatronConfig, MoeConfig, TrainConfig
 from slime_async.models.tiny_model import cached_model_dir
+from slime_async.train.backend import OptimizerSettings
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.megatron.backend import MegatronBackend
 from slime_async.train.objective import Objective
@@ -159,7 +160,7 @@ def test_one_train_step_equals_the_torch_backends(case: str, moe_dir: Path) -> N
     obj = Objective(TrainConfig(loss="grpo", entropy_coef=0.01))
     # a clip that bites; Adam's eps well above the rounding of the smallest gradients (at 1e-8 the first
     # step's lr x g / (|g| + eps) turns a 1e-10 difference of a 1e-8 gradient into 1% of lr)
-    kw = dict(device="cpu", lr=1e-3, eps=1e-6, grad_clip=0.01, micro_batch_size=2, moe=moe)
+    kw = dict(device="cpu", optim=OptimizerSettings(lr=1e-3, eps=1e-6, grad_clip=0.01), micro_batch_size=2, moe=moe)
     results, weights = [], []
     mega_be, torch_be = MegatronBackend(moe_dir, **kw), TorchBackend(moe_dir, **kw)  # type: ignore[arg-type]
     for be in (mega_be, torch_be):
@@ -238,7 +239,7 @@ def test_router_losses_are_logged_added_and_trained(moe_dir: Path) -> None:
     def zero_loss(mb: Batch, rows: slice, out: object) -> tuple[torch.Tensor, dict[str, float]]:
         return out.logprobs.sum() * 0.0, {}  # type: ignore[attr-defined]
 
-    be = MegatronBackend(moe_dir, device="cpu", micro_batch_size=2, lr=0.0, grad_clip=0.0,
+    be = MegatronBackend(moe_dir, device="cpu", micro_batch_size=2, optim=OptimizerSettings(lr=0.0, grad_clip=0.0),
                          moe=MoeConfig(aux_loss_coef=aux_coef, z_loss_coef=z_coef))
     result = be.train_step(batch, zero_loss, 1.0)
     assert result.applied
@@ -335,7 +336,7 @@ def test_grouped_experts_compute_what_sequential_mlp_computes(moe_dir: Path) -> 
     forced = (own_routes(AutoModelForCausalLM.from_pretrained(moe_dir), batch) + 3) % EXPERTS
     forced[:, 1::4] = -1
     replayed = batch_with(batch, forced)
-    kw = dict(device="cpu", lr=1e-3, eps=1e-6, grad_clip=0.01, micro_batch_size=2,
+    kw = dict(device="cpu", optim=OptimizerSettings(lr=1e-3, eps=1e-6, grad_clip=0.01), micro_batch_size=2,
               moe=MoeConfig(aux_loss_coef=0.3, z_loss_coef=0.02))
     grouped, looped = (MegatronBackend(moe_dir, parallel=MegatronConfig(moe_grouped_gemm=on), **kw)  # type: ignore[arg-type]
                        for on in (True, False))

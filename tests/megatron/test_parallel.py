@@ -22,6 +22,7 @@ from helpers import wait_all
 from transformers import AutoModelForCausalLM
 
 from slime_async.config.schema import TrainConfig
+from slime_async.train.backend import OptimizerSettings
 from slime_async.train.batch import build_batch
 from slime_async.train.objective import Objective
 from slime_async.train.synthetic import make_trajectories
@@ -50,7 +51,8 @@ def test_two_ranks_compute_what_one_torch_process_computes(family: str, tp: int,
                                                            tmp_path: Path) -> None:
     got = run_world(family_dirs[family], tmp_path / "out.pt", tp)
     assert got["layout"] == (tp, 2 // tp)
-    ref = TorchBackend(family_dirs[family], device="cpu", micro_batch_size=6, lr=1e-3, grad_clip=0.01)
+    ref = TorchBackend(family_dirs[family], device="cpu", micro_batch_size=6,
+                       optim=OptimizerSettings(lr=1e-3, grad_clip=0.01))
     batch = build_batch(make_trajectories(6, vocab=300), max_seq_len=64).batch
     assert batch is not None
     want = ref.logprobs(batch, 0.7, entropy=True)

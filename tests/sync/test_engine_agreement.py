@@ -19,6 +19,7 @@ from engine_helpers import PROMPT, engine_greedy, hf_greedy, post
 
 from slime_async.config.schema import SyncConfig, TrainConfig
 from slime_async.sync import WeightPublisher
+from slime_async.train.backend import OptimizerSettings
 from slime_async.train.batch import build_batch
 from slime_async.train.loop import StepRecord, Trainer
 from slime_async.train.memory_source import InMemorySource
@@ -52,7 +53,8 @@ async def test_engine_and_trainer_agree_and_a_push_changes_greedy_output_as_pred
                                    for i, p in enumerate(PROMPTS) for j in range(GROUP)))
     assert all(t.min_version() == 0 for t in trajs)  # η = 0: every token from the trainer's version
 
-    backend = TorchBackend(varied_dir, device="cpu", dtype="float32", lr=2e-2, micro_batch_size=4)
+    backend = TorchBackend(varied_dir, device="cpu", dtype="float32", optim=OptimizerSettings(lr=2e-2),
+                           micro_batch_size=4)
     batch = build_batch(list(trajs), max_seq_len=64).batch
     assert batch is not None and len(batch) == len(PROMPTS) * GROUP
     prox = backend.logprobs(batch, temperature=1.0).logprobs
@@ -90,7 +92,7 @@ async def test_resumed_trainer_brings_a_restarted_engine_up_to_date_and_continue
     cfg = TrainConfig(lr=1e-2, checkpoint_every=1, micro_batch_size=4)
 
     def trainer(source: InMemorySource, publisher: WeightPublisher) -> Trainer:
-        backend = TorchBackend(varied_dir, device="cpu", lr=cfg.lr, micro_batch_size=4)
+        backend = TorchBackend(varied_dir, device="cpu", optim=OptimizerSettings(lr=cfg.lr), micro_batch_size=4)
         return Trainer(cfg, backend, source, batch_size=2, publisher=publisher, checkpoint_dir=tmp_path,
                        extra_state={"data": source})
 

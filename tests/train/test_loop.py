@@ -9,7 +9,7 @@ import torch
 
 from slime_async.config.schema import TrainConfig
 from slime_async.sync.publisher import NamedWeights, PublishReport
-from slime_async.train.backend import StepResult
+from slime_async.train.backend import OptimizerSettings, StepResult
 from slime_async.train.loop import BatchSource, StepRecord, Trainer
 from slime_async.train.memory_source import InMemorySource
 from slime_async.train.synthetic import make_trajectories
@@ -38,7 +38,8 @@ def make(model_dir: Path, source: BatchSource, checkpoint_dir: Path | None = Non
     tc = TrainConfig(**{"lr": 1e-3, "micro_batch_size": 2, "batch_timeout_s": 0.01, "checkpoint_every": 0, **cfg})
     records: list[StepRecord] = []
     sink = RecordingSink()
-    backend = TorchBackend(model_dir, device="cpu", lr=tc.lr, micro_batch_size=tc.micro_batch_size,
+    backend = TorchBackend(model_dir, device="cpu", optim=OptimizerSettings(lr=tc.lr),
+                           micro_batch_size=tc.micro_batch_size,
                            reference=tc.kl_coef > 0)
     trainer = Trainer(tc, backend, source, batch_size=4, publisher=sink, checkpoint_dir=checkpoint_dir,
                       extra_state={"data": source} if isinstance(source, InMemorySource) else None,

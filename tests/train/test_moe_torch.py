@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter, load_balancing_loss_func
 
 from slime_async.config.schema import MoeConfig, TrainConfig
+from slime_async.train.backend import OptimizerSettings
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.objective import Objective
 from slime_async.train.synthetic import make_trajectories
@@ -182,7 +183,7 @@ def test_experts_run_transformers_grouped_matmuls_which_equal_its_expert_loop(ti
     """The torch backend's experts are transformers' `grouped_mm` implementation (its default: the
     sorted tokens through `torch._grouped_mm`, no loop over experts); its loop over experts ("eager")
     gives the same logprobs and gradients."""
-    be = backend(tiny_moe_dir, micro_batch_size=6, lr=0.0, grad_clip=0.0)
+    be = backend(tiny_moe_dir, micro_batch_size=6, optim=OptimizerSettings(lr=0.0, grad_clip=0.0))
     assert be.model.config._experts_implementation == "grouped_mm"
     batch = batch_of()
     obj = Objective(TrainConfig(loss="grpo"))

@@ -9,7 +9,7 @@ import torch
 
 from slime_async.config.model_dir import check_model_dir
 from slime_async.config.schema import TrainConfig
-from slime_async.train.backend import Logprobs
+from slime_async.train.backend import Logprobs, OptimizerSettings
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.objective import Objective
 from slime_async.train.synthetic import make_trajectories
@@ -50,7 +50,7 @@ def test_logprobs_match_unpadded_forward_at_temperature(tiny_model_dir: Path) ->
 
 def _one_step(model_dir: Path, micro: int, batch: Batch) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    be = backend(model_dir, micro_batch_size=micro, lr=1e-3)
+    be = backend(model_dir, micro_batch_size=micro, optim=OptimizerSettings(lr=1e-3))
     obj = Objective(TrainConfig(loss="grpo"))
     prep = obj.prepare(batch, be.logprobs(batch, 1.0).logprobs)
     result = be.train_step(batch, obj.loss_fn(prep), 1.0)
@@ -93,11 +93,11 @@ def test_named_weights_are_hf_names_each_once(tiny_model_dir: Path) -> None:
 def test_save_and_load_restore_model_and_optimizer(tiny_model_dir: Path, tmp_path: Path) -> None:
     batch = batch_of()
     obj = Objective(TrainConfig())
-    a = backend(tiny_model_dir, lr=1e-3)
+    a = backend(tiny_model_dir, optim=OptimizerSettings(lr=1e-3))
     a.train_step(batch, obj.loss_fn(obj.prepare(batch, a.logprobs(batch, 1.0).logprobs)), 1.0)
     a.save(tmp_path / "ck")
     check_model_dir(tmp_path / "ck")  # a whole model directory, tokenizer and chat template included
-    b = backend(tiny_model_dir, lr=1e-3)
+    b = backend(tiny_model_dir, optim=OptimizerSettings(lr=1e-3))
     b.load(tmp_path / "ck")
     for be in (a, b):
         be.train_step(batch, obj.loss_fn(obj.prepare(batch, be.logprobs(batch, 1.0).logprobs)), 1.0)
@@ -122,7 +122,7 @@ def test_bfloat16_is_mixed_precision(tiny_model_dir: Path) -> None:
 
 
 def test_lr_warmup_ramps_linearly_and_survives_save_and_load(tiny_model_dir: Path, tmp_path: Path) -> None:
-    be = backend(tiny_model_dir, lr=1e-3, warmup_steps=4)
+    be = backend(tiny_model_dir, optim=OptimizerSettings(lr=1e-3), warmup_steps=4)
     obj = Objective(TrainConfig(loss="grpo"))
     batch = batch_of()
     lrs = []
@@ -132,7 +132,7 @@ def test_lr_warmup_ramps_linearly_and_survives_save_and_load(tiny_model_dir: Pat
         lrs.append(be.optimizer.param_groups[0]["lr"])
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4])
     be.save(tmp_path / "ckpt")
-    again = backend(tiny_model_dir, lr=1e-3, warmup_steps=4)
+    again = backend(tiny_model_dir, optim=OptimizerSettings(lr=1e-3), warmup_steps=4)
     again.load(tmp_path / "ckpt")
     assert again.optimizer_steps() == 3
     for _ in range(2):

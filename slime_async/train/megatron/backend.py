@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from slime_async.config.schema import MegatronConfig, MoeConfig
 from slime_async.sync.megatron_names import Geometry
-from slime_async.train.backend import Logprobs, LossFn, StepResult, metric_floats
+from slime_async.train.backend import DEFAULT_OPTIMIZER, Logprobs, LossFn, OptimizerSettings, StepResult, metric_floats
 from slime_async.train.batch import Batch
 from slime_async.train.fused_logprobs import fused_logprobs
 from slime_async.train.megatron import wgrad_fusion
@@ -73,11 +73,7 @@ class MegatronBackend:
         *,
         device: str = "auto",
         dtype: Literal["float32", "bfloat16"] = "float32",
-        lr: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        grad_clip: float = 1.0,
+        optim: OptimizerSettings = DEFAULT_OPTIMIZER,
         micro_batch_size: int = 16,
         reference: bool = False,
         parallel: MegatronConfig | None = None,
@@ -139,7 +135,8 @@ class MegatronBackend:
             module = self._build(weights, self.routes)
             # the reference routes itself (no replay), as in the torch backend
             self.reference = self._build(weights, None).eval().requires_grad_(False) if reference else None
-            opt_args: dict[str, Any] = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip)
+            opt_args: dict[str, Any] = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                            weight_decay=optim.weight_decay, grad_clip=optim.grad_clip)
             self.optimizer: StepOptimizer
             if self.on_gpu:
                 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
