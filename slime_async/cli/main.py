@@ -30,9 +30,11 @@ def _load(config: Path, overrides: list[str] | None, model: bool = True):  # -> 
 
     check_envs(cfg)
     if model:
-        from slime_async.config.model_dir import resolve_model_path
+        from slime_async.config.model_dir import check_teacher, resolve_model_path
 
-        resolve_model_path(cfg.model.path)
+        student = resolve_model_path(cfg.model.path)
+        if cfg.train.distill.model is not None:  # refused here, before any part starts
+            check_teacher(student, cfg.train.distill.model)
     return cfg
 
 

@@ -71,3 +71,18 @@ def load_tokenizer(path: str | Path, field: str = "model.path") -> Any:
     except (OSError, ValueError, KeyError) as exc:
         reason = " ".join(str(exc).split())[:300]
         raise ConfigError(f"{field}: cannot load a tokenizer from {path}: {reason}") from None
+
+
+def check_teacher(student: str | Path, teacher: str | Path, field: str = "train.distill.model") -> Path:
+    """The teacher's model directory, if its tokenizer is the student's: distillation compares the two
+    models' logprobs of the same token ids, which mean the same text only under one tokenizer. A
+    ConfigError (one line naming `field`) otherwise."""
+    path = check_model_dir(teacher, field)
+    ours, theirs = load_tokenizer(student), load_tokenizer(path, field)
+    a, b = ours.get_vocab(), theirs.get_vocab()
+    if a != b or ours.all_special_tokens != theirs.all_special_tokens:
+        differ = sum(1 for token, i in a.items() if b.get(token) != i) + sum(1 for token in b if token not in a)
+        raise ConfigError(f"{field}: the teacher's tokenizer ({path}, {len(b)} tokens) is not the student's "
+                          f"(model.path {student}, {len(a)} tokens; {differ} tokens differ): distillation "
+                          "compares logprobs of the same token ids, so the teacher must share the student's tokenizer")
+    return path

@@ -367,6 +367,37 @@ class MoeConfig(_Section):
     layers). Logged as `moe/z_loss` (mean over layers)."""
 
 
+class DistillConfig(_Section):
+    """On-policy distillation: a teacher model scores every token the student sampled, and the loss
+    pulls the student towards it with a per-token reverse KL (`slime_async.rollout.teacher` scores,
+    `slime_async.train.objective` trains). Off while `model` is null."""
+
+    model: str | None = None
+    """The teacher's Hugging Face model directory (its own checkpoint, any size). Its tokenizer must be
+    the student's (`model.path`): the run is refused before start otherwise. Without `urls` the launcher
+    starts an embedded engine on it beside the student's engines."""
+    urls: list[str] = []
+    """Attach to teacher servers already running here (any SGLang-API server serving `model`) instead
+    of starting one."""
+    coef: NonNegativeFloat = 1.0
+    """Weight of the reverse-KL term: each scored token's advantage gets `-coef * (log p_student -
+    log p_teacher)` of the sampled token (the sampler's logprob; the per-token policy gradient of
+    KL(student || teacher), as in on-policy distillation by Agarwal et al. 2024 and Thinking Machines)."""
+    task_reward: bool = True
+    """Whether the env's reward trains too (GRPO's advantages plus the KL term). False: pure
+    distillation, the reward is only measured."""
+    timeout_s: PositiveFloat = 10.0
+    """Per scoring request. A teacher that is slower, or down, never holds the rollout or the trainer
+    back: after `retries` the group goes to the buffer unscored (counted as `teacher_unavailable`) and
+    trains without the KL term."""
+    retries: NonNegativeInt = 2
+    """Extra attempts of a failed scoring request (with backoff, failing over between `urls`)."""
+    max_batch: PositiveInt = 16
+    """Most sequences in one scoring request (a group's trajectories go together)."""
+    max_in_flight: PositiveInt = 4
+    """Most scoring requests a rollout worker has outstanding at once."""
+
+
 class TrainConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
     """`torch`: a transformers model on CPU or one GPU. `megatron`: Megatron-core's GPT model with
@@ -479,6 +510,12 @@ class TrainConfig(_Section):
     """Settings of the `megatron` backend."""
     moe: MoeConfig = msgspec.field(default_factory=MoeConfig)
     """Mixture-of-experts models: routing replay and the router's losses."""
+    distill: DistillConfig = msgspec.field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher model (off unless `distill.model` is set)."""
+
+    @property
+    def distilling(self) -> bool:
+        return self.distill.model is not None
 
 
 class SyncConfig(_Section):

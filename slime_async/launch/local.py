@@ -54,6 +54,7 @@ def engine_args(cfg: Config, i: int) -> list[str]:
 def compute_threads(cfg: Config, with_trainer: bool) -> int:
     """This machine's cores divided among the processes that compute on them (at least 1 each)."""
     engines = cfg.engine.num_engines if cfg.engine.kind == "embedded" and not cfg.engine.urls else 0
+    engines += int(cfg.train.distilling and not cfg.train.distill.urls)  # the teacher's embedded engine
     return max(1, len(os.sched_getaffinity(0)) // max(1, engines + int(with_trainer)))
 
 
@@ -118,6 +119,8 @@ class LocalLauncher:
     """Where the trainer pushes weights: every engine."""
     rollout_urls: list[str] = field(default_factory=list)
     """Where rollout workers send requests: the router when there is one, else every engine."""
+    teacher_urls: list[str] = field(default_factory=list)
+    """On-policy distillation's teacher servers (`train.distill`): started here, or attached."""
 
     def start(self, on_event: Callable[[str], None] | None = None) -> None:
         self._on_event = on_event or (lambda message: None)
@@ -133,6 +136,7 @@ class LocalLauncher:
                 router = Part("router", self._start_router)
                 self._launch(router)
                 self.rollout_urls = [router.child.url]  # type: ignore[union-attr]
+            self._start_teacher()
             if self.cfg.data.eval and self.cfg.data.eval_every > 0:
                 # evaluation beside training, in its own process with its own client (never in the
                 # rollout's way); started before the trainer so that its baseline round sees version 0
@@ -207,6 +211,31 @@ class LocalLauncher:
             self._launch(engine)
             self.engine_urls.append(engine.child.url)  # type: ignore[union-attr]
 
+    def _start_teacher(self) -> None:
+        """The teacher of `train.distill`: an embedded engine on its checkpoint, at version 0 for good
+        (the trainer never pushes to it), or the servers `train.distill.urls` names."""
+        d = self.cfg.train.distill
+        if d.model is None:
+            return
+        if d.urls:
+            self.teacher_urls = [u.rstrip("/") for u in d.urls]
+            return
+        port = [0]
+
+        def start(restarts: int) -> Child:
+            args = engine_args(self.cfg, 0)
+            args[args.index("--host") + 1] = HOST
+            argv = [sys.executable, "-m", "slime_async.cli", "serve", "--model", str(d.model), *args,
+                    "--port", PORT, "--weight-version", "0"]
+            child = self.spawn("teacher", argv, ENGINE_READY, port=port[0],
+                               env={**engine_env(self.cfg), **self.threads_env(compute=True)})
+            port[0] = int(child.url.rsplit(":", 1)[1])  # a restart comes back where the workers point
+            return child
+
+        teacher = Part("teacher", start)
+        self._launch(teacher)
+        self.teacher_urls = [teacher.child.url]  # type: ignore[union-attr]
+
     def _engine_starter(self, i: int) -> Callable[[int], Child]:
         c = self.cfg
         port = [c.engine.port + i if c.engine.port else 0]
@@ -266,7 +295,8 @@ class LocalLauncher:
             f"rollout-{i}", [sys.executable, "-m", "slime_async.rollout.worker", CONFIG,
                              "--buffer", self.buffer_endpoint, *self._url_args(self.rollout_urls), "--worker", str(i),
                              "--num-workers", str(workers), "--data-state",
-                             str(self.run_dir / f"data-state-{i}.json")],
+                             str(self.run_dir / f"data-state-{i}.json"),
+                             *[arg for url in self.teacher_urls for arg in ("--teacher", url)]],
             r"^READY", env=self.threads_env(compute=False))
 
     def threads_env(self, compute: bool) -> dict[str, str]:
@@ -335,7 +365,7 @@ class LocalLauncher:
 
     def shutdown(self) -> None:
         """Stop every part, rollout workers first and engines last; nothing is left running."""
-        order = {"rollout": 0, "eval": 0, "trainer": 1, "buffer": 2, "router": 3, "engine": 4}
+        order = {"rollout": 0, "eval": 0, "trainer": 1, "buffer": 2, "router": 3, "engine": 4, "teacher": 4}
         for part in sorted(self.parts, key=lambda p: order.get(p.name.split("-")[0], 9)):
             if part.child is not None:
                 part.child.stop()

@@ -268,6 +268,8 @@ def _view(cfg: Config, run_dir: Path, started: float) -> Table:
                                  f"{sum(w['in_flight'] for w in workers)} in flight")
         table.add_row("rollout reward", f"{sum(recent) / len(recent):.3f} (last 256 episodes)" if recent else "-")
         table.add_row("groups", f"{sum(w['groups_sent'] for w in workers)} sent, {dropped} dropped (filtered/failed)")
+        if teacher := distill_line(workers):
+            table.add_row("distill teacher", teacher)
         _error_rows(table, merge_errors([w.get("errors", {}) for w in workers]), guard_verdicts(workers))
     now = time.time()
     hint = stall_hint(last.get("time"), now - (time.monotonic() - started), now, workers)
@@ -278,6 +280,20 @@ def _view(cfg: Config, run_dir: Path, started: float) -> Table:
         scores = ", ".join(f"{k.split('/')[1]} {v:.1%}" for k, v in evals[-1].items() if k.endswith("/pass@1"))
         table.add_row("held-out eval", f"{scores} at version {evals[-1]['version']}")
     return table
+
+
+def distill_line(workers: list[dict[str, Any]]) -> str | None:
+    """What the teacher of `train.distill` did across the workers, or None when not distilling: the
+    trajectories it scored and those it could not (down or slow: trained without the KL term)."""
+    books = [w["distill"] for w in workers if "distill" in w]
+    if not books:
+        return None
+    scored = sum(b.get("scored", 0) for b in books)
+    missed = sum(b.get("teacher_unavailable", 0) for b in books)
+    retries = sum(b.get("retries", 0) for b in books)
+    line = (f"{scored} trajectories scored, {missed} teacher_unavailable (trained without the KL term), "
+            f"{retries} retries")
+    return f"[yellow]{line}[/]" if missed else line
 
 
 def stall_hint(last_step_at: float | None, started_at: float, now: float, workers: list[dict[str, Any]],
@@ -334,6 +350,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(dropped.items())) or "none"
         table.add_row("rollout", f"{sum(w['episodes'] for w in workers)} episodes, "
                                  f"{sum(w['groups_sent'] for w in workers)} groups sent, dropped: {reasons}")
+        if teacher := distill_line(workers):
+            table.add_row("distill teacher", teacher)
     _error_rows(table, summary.get("errors") or {}, summary.get("guard") or [])
     if w := summary.get("warmstart"):
         took = "cached" if w["cached"] else f"{w['seconds']:.0f} s"

@@ -67,7 +67,17 @@ class _Answer(msgspec.Struct):
     meta_info: _Meta
 
 
+class _ScoreMeta(msgspec.Struct):
+    input_token_logprobs: list[tuple[float | None, int, Any]]
+    """[logprob or null, token id, text or null] per prompt token from `logprob_start_len` on."""
+
+
+class _ScoreAnswer(msgspec.Struct):
+    meta_info: _ScoreMeta
+
+
 _DECODER = msgspec.json.Decoder(_Answer)
+_SCORE_DECODER = msgspec.json.Decoder(list[_ScoreAnswer])
 _ENCODER = msgspec.json.Encoder()
 _EMPTY_IDS = np.zeros(0, TOKEN_DTYPE)
 
@@ -232,6 +242,14 @@ class SGLangClient:
         self, input_ids: list[int], sampling_params: dict[str, Any], episode: str | None,
         routed_from: int | None = None,
     ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, str, np.ndarray | None], str]:
+        return await self._with_failover(
+            self.GENERATE, lambda rid: self._body(input_ids, sampling_params, rid, routed_from), self._parse,
+            episode)
+
+    async def _with_failover(self, route: str, body_of: Any, parse: Any, episode: str | None,
+                             abortable: bool = True) -> tuple[Any, str]:
+        """POST `body_of(rid)` to `route` on a healthy server and `parse` the answer, retrying with
+        backoff and failing over to another server; a ServerError when every attempt failed."""
         assert self._session is not None, "call start() (or use `async with`) first"
         delay = self.backoff
         last_error = "no healthy server"
@@ -244,30 +262,31 @@ class SGLangClient:
                 tried.clear()
                 continue
             rid = f"{self._rid_prefix}{next(self._rid_count)}"
-            body = self._body(input_ids, sampling_params, rid, routed_from)
+            body = body_of(rid)
             server.outstanding += 1
             start = time.monotonic()
             try:
                 self.stats.requests += 1
-                async with self._session.post(server.url + self.GENERATE, data=body, headers=_JSON,
+                async with self._session.post(server.url + route, data=body, headers=_JSON,
                                               timeout=self._timeout) as resp:
                     if resp.status >= 500:
                         raise BadResponse(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                     if resp.status >= 400:  # our request is wrong: retrying elsewhere will not help
-                        raise ValueError(f"{server.url}{self.GENERATE} refused the request: "
+                        raise ValueError(f"{server.url}{route} refused the request: "
                                          f"{(await resp.text())[:500]}")
                     raw = await resp.read()
-                answer = self._parse(raw)
+                answer = parse(raw)
                 server.failures = 0
                 server.latencies.append(time.monotonic() - start)
                 if len(server.latencies) > 1000:
                     del server.latencies[:500]
                 return answer, server.url
             except asyncio.CancelledError:
-                self._abort_soon(server, rid)
+                if abortable:
+                    self._abort_soon(server, rid)
                 raise
             except (TimeoutError, aiohttp.ClientError, BadResponse, ConnectionError) as exc:
-                if isinstance(exc, asyncio.TimeoutError):
+                if isinstance(exc, asyncio.TimeoutError) and abortable:
                     self._abort_soon(server, rid)  # it may still be decoding: stop it
                 last_error = f"{server.url}: {type(exc).__name__}: {exc}"
                 self.stats.errors[type(exc).__name__] += 1
@@ -278,13 +297,42 @@ class SGLangClient:
                     self.stats.failovers += 1
                 if attempt < self.retries:
                     self.stats.retries += 1
-                    self._warn.warning(f"{server.url} {type(exc).__name__}", "generate failed (%s), retrying in %.2fs",
-                                       last_error, delay)
+                    self._warn.warning(f"{server.url} {type(exc).__name__}", "%s failed (%s), retrying in %.2fs",
+                                       route, last_error, delay)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self.max_backoff)
             finally:
                 server.outstanding -= 1
-        raise ServerError(f"{self.GENERATE} failed after {self.retries + 1} attempts; last: {last_error}")
+        raise ServerError(f"{route} failed after {self.retries + 1} attempts; last: {last_error}")
+
+    # --- prompt scoring -------------------------------------------------------------------
+
+    @property
+    def any_healthy(self) -> bool:
+        """Whether some server is not marked down (a caller that must not wait can skip the request)."""
+        return any(s.healthy for s in self.servers.values())
+
+    async def score(self, sequences: list[np.ndarray], starts: list[int]) -> list[np.ndarray]:
+        """Each sequence's token logprobs under the server's model, from position `starts[i]` on: entry
+        j of the i-th result is log p(token starts[i] + j | the tokens before it). SGLang's prompt
+        scoring, batched in one request: `input_ids` a list, `logprob_start_len` one per sequence,
+        `max_new_tokens` 0, and each reply's `meta_info.input_token_logprobs` (its first entry, the
+        token at `logprob_start_len`, comes as null: ask from one position earlier). Retried and
+        failed over like `generate`; a prefill decodes nothing, so nothing is aborted on a timeout."""
+        if len(sequences) != len(starts):
+            raise ValueError(f"score: {len(sequences)} sequences but {len(starts)} starts")
+        if not sequences:
+            return []
+        asked = [max(0, s - 1) for s in starts]
+        body = _ENCODER.encode({
+            "input_ids": [seq.tolist() for seq in sequences], "return_logprob": True, "logprob_start_len": asked,
+            "sampling_params": {"max_new_tokens": 0}})
+
+        def parse(raw: bytes) -> list[np.ndarray]:
+            return _parse_scores(raw, sequences, starts, asked)
+
+        answer, _ = await self._with_failover(self.GENERATE, lambda rid: body, parse, None, abortable=False)
+        return answer
 
     # --- the engine's dialect (`VLLMClient` overrides these) ---------------------------------
 
@@ -454,3 +502,28 @@ class SGLangClient:
             except (TimeoutError, aiohttp.ClientError, ConnectionError):
                 server.healthy = False
         return {u: s.healthy for u, s in self.servers.items()}
+
+
+def _parse_scores(raw: bytes, sequences: list[np.ndarray], starts: list[int], asked: list[int]) -> list[np.ndarray]:
+    """The logprobs of tokens `starts[i]..` of each sequence from a batched scoring answer; a
+    BadResponse when the answer does not cover them token for token."""
+    try:
+        answers = _SCORE_DECODER.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise BadResponse(f"malformed scoring response ({exc})") from None
+    if len(answers) != len(sequences):
+        raise BadResponse(f"{len(sequences)} sequences scored but {len(answers)} answers")
+    out = []
+    for i, (answer, seq, start, first) in enumerate(zip(answers, sequences, starts, asked, strict=True)):
+        entries = answer.meta_info.input_token_logprobs
+        if len(entries) != len(seq) - first:
+            raise BadResponse(f"sequence {i}: {len(entries)} input_token_logprobs for {len(seq) - first} tokens "
+                              f"from position {first}")
+        wanted = entries[start - first:]
+        ids = np.fromiter((e[1] for e in wanted), np.int64, len(wanted))
+        if not np.array_equal(ids, seq[start:]):
+            raise BadResponse(f"sequence {i}: input_token_logprobs name other tokens than were sent")
+        if any(e[0] is None for e in wanted):
+            raise BadResponse(f"sequence {i}: a null logprob after the first scored position")
+        out.append(np.fromiter((e[0] for e in wanted), LOGPROB_DTYPE, len(wanted)))
+    return out

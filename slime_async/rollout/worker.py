@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -28,10 +29,12 @@ from slime_async.config.model_dir import resolve_model_path
 from slime_async.data import build_envs, build_tasks, close_shared_remote_rewards, load_state, save_state
 from slime_async.env import Sampling
 from slime_async.moe.shape import replay_shape
+from slime_async.rollout.client import SGLangClient
 from slime_async.rollout.filters import load_group_filter
 from slime_async.rollout.guard import Guard
 from slime_async.rollout.scheduler import Scheduler
-from slime_async.rollout.sinks import BufferSink
+from slime_async.rollout.sinks import BufferSink, Sink
+from slime_async.rollout.teacher import TeacherScorer, TeacherSink
 from slime_async.rollout.vllm_client import engine_client
 
 log = logging.getLogger("slime_async.rollout.worker")
@@ -53,9 +56,11 @@ def earlier_totals(path: Path) -> dict[str, Any]:
     return {**totals, "lost_in_flight": totals["lost_in_flight"] + last.get("in_flight", 0)}
 
 
-def write_stats(scheduler: Scheduler, path: Path, earlier: dict[str, Any] | None = None) -> None:
+def write_stats(scheduler: Scheduler, path: Path, earlier: dict[str, Any] | None = None,
+                teacher: TeacherScorer | None = None) -> None:
     """The scheduler's running figures as JSON, replaced atomically (the launcher's view reads it), with
-    `totals` over the worker's lives in this run (the run's books: `earlier_totals`)."""
+    `totals` over the worker's lives in this run (the run's books: `earlier_totals`) and, when distilling,
+    what the teacher scored (`distill`)."""
     tmp = path.with_suffix(".tmp")
     st = scheduler.stats
     recent = st.rewards[-256:]
@@ -65,15 +70,18 @@ def write_stats(scheduler: Scheduler, path: Path, earlier: dict[str, Any] | None
         dropped[reason] = dropped.get(reason, 0) + n
     totals = {"started": e["started"] + st.started, "sent": e["sent"] + st.sent, "dropped": dropped,
               "lost_in_flight": e["lost_in_flight"], "lives": e["lives"] + 1}
+    extra = {"distill": teacher.stats.summary(teacher.client)} if teacher is not None else {}
     tmp.write_text(json.dumps({**st.summary(), "in_flight": st.started - st.finished, "time": time.time(),
-                               "recent_reward": sum(recent) / len(recent) if recent else None, "totals": totals}))
+                               "recent_reward": sum(recent) / len(recent) if recent else None, "totals": totals,
+                               **extra}))
     tmp.replace(path)
 
 
-async def report_stats(scheduler: Scheduler, path: Path, earlier: dict[str, Any], every_s: float = 2.0) -> None:
+async def report_stats(scheduler: Scheduler, path: Path, earlier: dict[str, Any], teacher: TeacherScorer | None,
+                       every_s: float = 2.0) -> None:
     while True:
         await asyncio.sleep(every_s)  # a reporting period, not a wait for a condition
-        write_stats(scheduler, path, earlier)
+        write_stats(scheduler, path, earlier, teacher)
 
 
 def accepted_so_far(buffer: str, curve_dir: str | None) -> int | None:
@@ -91,7 +99,7 @@ def accepted_so_far(buffer: str, curve_dir: str | None) -> int | None:
 
 
 async def run_worker(config_path: str, buffer: str, engines: list[str], worker: int, num_workers: int,
-                     groups: int | None, data_state: str | None = None) -> int:
+                     groups: int | None, data_state: str | None = None, teachers: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from slime_async.transport import AsyncSender
@@ -117,31 +125,47 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
     async def recount() -> int:
         found = await asyncio.to_thread(accepted_so_far, buffer, cfg.buffer.curve_dir)
         return found // num_workers if found is not None else scheduler.budget.accepted
-    async with engine_client(cfg.engine.kind, engines, admin_token=cfg.engine.admin_token) as client, AsyncSender(
-            buffer, name=f"rollout-{worker}", curve_dir=cfg.buffer.curve_dir) as sender:
-        sink = BufferSink(sender)
+    d = cfg.train.distill
+    teacher_urls = (teachers or d.urls) if cfg.train.distilling else []
+    if cfg.train.distilling and not teacher_urls:
+        raise SystemExit("train.distill.model is set but no teacher server was given (--teacher URL or "
+                         "train.distill.urls)")
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(
+            engine_client(cfg.engine.kind, engines, admin_token=cfg.engine.admin_token))
+        sender = await stack.enter_async_context(
+            AsyncSender(buffer, name=f"rollout-{worker}", curve_dir=cfg.buffer.curve_dir))
+        sink: Sink = BufferSink(sender)
+        teacher = None
+        if teacher_urls:  # on-policy distillation: each group is scored by the teacher on its way
+            teacher_client = await stack.enter_async_context(
+                SGLangClient(teacher_urls, request_timeout=d.timeout_s, retries=d.retries))
+            teacher = TeacherScorer(teacher_client, d.max_batch, d.max_in_flight)
+            sink = TeacherSink(sink, teacher)
         stats_path = Path(cfg.run.dir) / cfg.run.name / f"rollout-{worker}.json"
         earlier = earlier_totals(stats_path)
         scheduler = Scheduler(
             envs, tasks, client, tokenizer, sink, group_size=r.group_size,
             batch_size=batch_share, max_staleness=r.max_staleness,
             max_concurrency=max(1, r.max_concurrency // num_workers),
-            filter_equal_rewards=r.filter_equal_rewards, sampling=sampling, accepted=accepted, recount=recount,
+            # a group of equal rewards still carries the teacher's per-token signal when distilling
+            filter_equal_rewards=r.filter_equal_rewards and not cfg.train.distilling,
+            sampling=sampling, accepted=accepted, recount=recount,
             guard=Guard.for_rollout(r.guard, batch_share, r.group_size), group_filter=load_group_filter(r),
             replay=replay,
             # the launcher reads the verdict from the stats file and ends the run: written at once
-            on_verdict=lambda verdict: write_stats(scheduler, stats_path, earlier),
+            on_verdict=lambda verdict: write_stats(scheduler, stats_path, earlier, teacher),
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, scheduler.stop)
         print("READY", flush=True)
-        reporter = asyncio.ensure_future(report_stats(scheduler, stats_path, earlier))
+        reporter = asyncio.ensure_future(report_stats(scheduler, stats_path, earlier, teacher))
         try:
             stats = await scheduler.run(num_groups=groups)
         finally:
             reporter.cancel()
-            write_stats(scheduler, stats_path, earlier)
+            write_stats(scheduler, stats_path, earlier, teacher)
         await sink.close()
         await close_shared_remote_rewards()
         await close_shared_server()  # the agent endpoint, when an agent env started one
@@ -160,10 +184,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-workers", type=int, default=1)
     parser.add_argument("--groups", type=int, default=None, help="stop after this many groups (default: never)")
     parser.add_argument("--data-state", default=None, help="JSON file: resume the task stream from it, save it at exit")
+    parser.add_argument("--teacher", action="append", default=None,
+                        help="URL of a teacher server for train.distill (repeat; default: train.distill.urls)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.exit(asyncio.run(run_worker(args.config, args.buffer, args.engine, args.worker, args.num_workers,
-                                    args.groups, args.data_state)))
+                                    args.groups, args.data_state, args.teacher)))
 
 
 if __name__ == "__main__":

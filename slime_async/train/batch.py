@@ -47,6 +47,12 @@ class Batch:
     routed_experts: torch.Tensor | None = None
     """[N, T, layers x top_k] int16 for routing replay: the experts the engine chose for each token,
     -1 where it reported none (the trainer routes that token itself). None: no replay."""
+    teacher_logprobs: torch.Tensor | None = None
+    """[N, T] float32 for on-policy distillation: the teacher's logprob of each completion token
+    (`Turn.teacher_logprobs`), 0 where `teacher_mask` is 0. None: no trajectory of the batch was scored."""
+    teacher_mask: torch.Tensor | None = None
+    """[N, T] float32: 1 on the tokens the teacher scored (a trajectory the teacher could not score
+    has none: it trains without the KL term)."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -77,6 +83,8 @@ class Batch:
             min_versions=self.min_versions[start:stop],
             trajectory_ids=self.trajectory_ids[start:stop],
             routed_experts=None if self.routed_experts is None else self.routed_experts[start:stop, :length],
+            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[start:stop, :length],
+            teacher_mask=None if self.teacher_mask is None else self.teacher_mask[start:stop, :length],
         )
 
 
@@ -125,7 +133,8 @@ def build_batch(
         raise ValueError(f"train.max_seq_len: must be at least 2, got {max_seq_len}")
     skipped: Counter[str] = Counter()
     truncated = 0
-    kept: list[tuple[Trajectory, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = []
+    kept: list[tuple[Trajectory, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None,
+                     tuple[np.ndarray, np.ndarray] | None]] = []
     for traj in trajectories:
         if not np.isfinite(traj.reward):
             skipped["nan_reward"] += 1
@@ -133,7 +142,8 @@ def build_batch(
         rows, reason, cut = [], None, False
         segments = traj.segments()
         routes = segment_routes(traj, route_width) if route_width else [None] * len(segments)
-        for (ids, logprobs, mask), route in zip(segments, routes, strict=True):
+        teachers = segment_teacher(traj)
+        for (ids, logprobs, mask), route, teacher in zip(segments, routes, teachers, strict=True):
             mask = mask.astype(np.float32)
             if len(mask):
                 mask[0] = 0.0  # token 0 has no context to be predicted from
@@ -150,9 +160,10 @@ def build_batch(
                     break
                 ids, logprobs, mask = ids[:max_seq_len], logprobs[:max_seq_len], mask[:max_seq_len]
                 route = None if route is None else route[:max_seq_len]
+                teacher = None if teacher is None else (teacher[0][:max_seq_len], teacher[1][:max_seq_len])
                 cut = True
             if (mask > 0).any():  # a segment with nothing to train on adds no row
-                rows.append((traj, ids, logprobs, mask, route))
+                rows.append((traj, ids, logprobs, mask, route, teacher))
         truncated += cut  # counted also when nothing of it is left to train (as `no_trainable_tokens`)
         if reason is None and not rows:
             reason = "no_trainable_tokens"
@@ -165,17 +176,20 @@ def build_batch(
     cut = len({t.id for t, *_ in kept if t.stop_reason in _OUT_OF_TOKENS}) if mask_truncated else 0
     masked, unmasked = (0, cut) if cut == len({t.id for t, *_ in kept}) else (cut, 0)
     if masked:
-        kept = [(t, ids, lp, np.zeros_like(m) if t.stop_reason in _OUT_OF_TOKENS else m, r)
-                for t, ids, lp, m, r in kept]
+        kept = [(t, ids, lp, np.zeros_like(m) if t.stop_reason in _OUT_OF_TOKENS else m, r, te)
+                for t, ids, lp, m, r, te in kept]
     n, length = len(kept), max(len(k[1]) for k in kept)
     input_ids = torch.zeros(n, length, dtype=torch.int64)
     attention = torch.zeros(n, length, dtype=torch.int64)
     loss_mask = torch.zeros(n, length, dtype=torch.float32)
     behaviour = torch.zeros(n, length, dtype=torch.float32)
     routed = torch.full((n, length, route_width), -1, dtype=torch.int16) if route_width else None
+    scored = any(k[5] is not None for k in kept)
+    teacher_lp = torch.zeros(n, length, dtype=torch.float32) if scored else None
+    teacher_mask = torch.zeros(n, length, dtype=torch.float32) if scored else None
     unrouted = 0
     groups: dict[str, int] = {}
-    for i, (traj, ids, logprobs, mask, route) in enumerate(kept):
+    for i, (traj, ids, logprobs, mask, route, teacher) in enumerate(kept):
         k = len(ids)
         input_ids[i, :k] = torch.from_numpy(ids.astype(np.int64))
         attention[i, :k] = 1
@@ -186,6 +200,10 @@ def build_batch(
                 unrouted += 1
             else:
                 routed[i, :k] = torch.from_numpy(route)
+        if teacher is not None and teacher_lp is not None and teacher_mask is not None:
+            values, scored_mask = teacher
+            teacher_mask[i, :k] = torch.from_numpy(scored_mask * (mask > 0))
+            teacher_lp[i, :k] = torch.from_numpy(np.where(teacher_mask[i, :k].numpy() > 0, values, 0.0))
         groups.setdefault(traj.group_id, len(groups))
     return BuildResult(
         Batch(
@@ -199,6 +217,8 @@ def build_batch(
                 [v if (v := t.min_version()) is not None else -1 for t, *_ in kept], dtype=torch.int64),
             trajectory_ids=[t.id for t, *_ in kept],
             routed_experts=routed,
+            teacher_logprobs=teacher_lp,
+            teacher_mask=teacher_mask,
         ),
         skipped,
         truncated,
@@ -230,4 +250,33 @@ def segment_routes(traj: Trajectory, width: int) -> list[np.ndarray | None]:
             parts.append(np.full((tokens, width), -1, dtype=np.int16))
     if traj.turns:
         out.append(np.concatenate(parts) if seen else None)
+    return out
+
+
+def segment_teacher(traj: Trajectory) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """Each segment's teacher logprobs and scored mask (float32 [tokens] each, aligned with
+    `Trajectory.segments()`; 0 on prompt tokens and on turns the teacher did not score, and on
+    scores that are not finite or positive); None for a segment with no scored turn."""
+    out: list[tuple[np.ndarray, np.ndarray] | None] = []
+    values: list[np.ndarray] = []
+    scored: list[np.ndarray] = []
+    seen = False
+    for i, t in enumerate(traj.turns):
+        if t.new_branch and i > 0:
+            out.append((np.concatenate(values), np.concatenate(scored)) if seen else None)
+            values, scored, seen = [], [], False
+        n = len(t.completion_ids)
+        values.append(np.zeros(len(t.prompt_ids), np.float32))
+        scored.append(np.zeros(len(t.prompt_ids), np.float32))
+        if t.teacher_logprobs is not None:
+            lp = t.teacher_logprobs.astype(np.float32)
+            ok = np.isfinite(lp) & (lp <= 0)
+            values.append(np.where(ok, lp, 0.0).astype(np.float32))
+            scored.append(ok.astype(np.float32))
+            seen = True
+        else:
+            values.append(np.zeros(n, np.float32))
+            scored.append(np.zeros(n, np.float32))
+    if traj.turns:
+        out.append((np.concatenate(values), np.concatenate(scored)) if seen else None)
     return out

@@ -69,6 +69,9 @@ class Prepared:
     positive_weights: torch.Tensor | None = None
     """Token-mean weights over the tokens of sequences better than their group's mean (the
     positive-example NLL term); None when `train.positive_nll_coef` is 0."""
+    distill: dict[str, float] = field(default_factory=dict)
+    """On-policy distillation's batch metrics (`distill/reverse_kl` over the scored tokens,
+    `distill/scored_fraction` of the trained tokens); empty when not distilling."""
     pending: list[tuple[torch.Tensor, slice, int, torch.Tensor]] = field(default_factory=list)
     """Device results of the loss waiting to be copied into the CPU tensors above (`settle`): a copy
     per micro-batch would make the host wait for the GPU before it can queue the backward pass."""
@@ -157,6 +160,9 @@ class Objective:
             adv = A.to_tokens(seq, mask)
             if token_rewards is not None:
                 adv = adv + token_rewards
+        distill: dict[str, float] = {}
+        if cfg.distilling:
+            adv, distill = self._distill(batch, mask, adv)
         positive = None
         if cfg.positive_nll_coef > 0:
             better = A.group_mean(batch.rewards, batch.group_index) < batch.rewards
@@ -175,7 +181,31 @@ class Objective:
             clipped=torch.zeros_like(mask, dtype=torch.bool),
             fused=fused,
             positive_weights=positive,
+            distill=distill,
         )
+
+    def _distill(self, batch: Batch, mask: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """On-policy distillation's per-token reverse KL in the advantages, and its metrics.
+
+        On a token x sampled from the student, log pi(x) - log q(x) (pi the student, q the teacher) is
+        the one-sample estimate of KL(pi || q) at that position, and the gradient of the reverse KL is
+        E[(log pi - log q) grad log pi]: a policy gradient with the per-token advantage -(log pi - log q),
+        taken through the same clipped, behaviour-corrected surrogate as the task's (so stale tokens are
+        corrected alike). log pi is the sampler's (behaviour) logprob, as in Thinking Machines' recipe:
+        known before the step. Tokens the teacher did not score get no term."""
+        d = self.cfg.distill
+        if not d.task_reward:
+            adv = torch.zeros_like(adv)
+        if batch.teacher_logprobs is None or batch.teacher_mask is None:
+            return adv, {"distill/scored_fraction": 0.0}
+        scored = mask * batch.teacher_mask
+        reverse_kl = torch.where(scored.bool(), batch.behaviour_logprobs - batch.teacher_logprobs,
+                                 torch.zeros_like(adv))
+        n = float(scored.sum())
+        return adv - d.coef * reverse_kl, {
+            "distill/reverse_kl": float(reverse_kl.sum()) / max(n, 1.0),
+            "distill/scored_fraction": n / max(float(mask.sum()), 1.0),
+        }
 
     def loss_fn(self, prep: Prepared):  # -> LossFn
         """The per-micro-batch loss over `prep`, for `TrainerBackend.train_step`."""
@@ -238,7 +268,7 @@ class Objective:
     def metrics(self, prep: Prepared) -> dict[str, float]:
         """Off-policy health over the batch (ratio of current to proximal as it was at the step's start)."""
         prep.settle()
-        return L.off_policy_metrics(prep.current, prep.prox, prep.behav, prep.mask, prep.clipped)
+        return {**L.off_policy_metrics(prep.current, prep.prox, prep.behav, prep.mask, prep.clipped), **prep.distill}
 
 
 def _function(name: str | None, setting: str, example: str) -> Callable[..., Any] | None:

@@ -146,6 +146,10 @@ class Turn(msgspec.Struct, kw_only=True):
     """MoE models with routing replay: the experts the engine chose for each token of `prompt_ids`
     then `completion_ids`, flat, (layers x top_k) ids per token (uint8, or int16 past 255 experts);
     a token the engine never reported is all 255 (-1). None: not recorded. `slime_async.moe.routing`."""
+    teacher_logprobs: np.ndarray | None = None
+    """On-policy distillation (`train.distill`): the teacher's logprob of each completion token given
+    everything before it, as the teacher server scored it (`slime_async.rollout.teacher`). None: not
+    scored (distillation off, or the teacher was unavailable: the turn then trains without the KL term)."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = as_array(self.prompt_ids, TOKEN_DTYPE, "prompt_ids")
@@ -167,6 +171,11 @@ class Turn(msgspec.Struct, kw_only=True):
                 raise ValueError(f"routed_experts has {len(routes)} ids, not a whole number per token for "
                                  f"{tokens} prompt and completion tokens")
             self.routed_experts = routes
+        if self.teacher_logprobs is not None:
+            self.teacher_logprobs = as_array(self.teacher_logprobs, LOGPROB_DTYPE, "teacher_logprobs")
+            if len(self.teacher_logprobs) != n:
+                raise ValueError(f"teacher_logprobs has {len(self.teacher_logprobs)} entries but completion_ids "
+                                 f"has {n}: the teacher scores every completion token or none")
         for field in ("logprobs", "versions", "loss_mask"):
             if len(getattr(self, field)) != n:
                 raise ValueError(
