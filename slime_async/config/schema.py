@@ -398,6 +398,21 @@ class DistillConfig(_Section):
     """Most scoring requests a rollout worker has outstanding at once."""
 
 
+class LoraConfig(_Section):
+    """LoRA (`slime_async.train.lora`): low-rank adapters on the named linear layers train, everything
+    else is frozen; checkpoints hold only the adapters (peft's format), and the engines get the merged
+    weights of the adapted layers (`W + alpha / rank * B A`). Torch backend only."""
+
+    rank: PositiveInt = 8
+    """Rank r of each adapter (A is [r, in], B is [out, r])."""
+    alpha: PositiveFloat = 16.0
+    """Scale numerator: the update is alpha / rank * B A."""
+    target_modules: list[str] = msgspec.field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Attribute names of the `nn.Linear` layers to adapt (every attention and MLP projection of a
+    Qwen2/Llama model by default)."""
+
+
 class TrainConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
     """`torch`: a transformers model on CPU or one GPU. `megatron`: Megatron-core's GPT model with
@@ -512,6 +527,9 @@ class TrainConfig(_Section):
     """Mixture-of-experts models: routing replay and the router's losses."""
     distill: DistillConfig = msgspec.field(default_factory=DistillConfig)
     """On-policy distillation from a teacher model (off unless `distill.model` is set)."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (`{}` for the defaults); null: full fine-tuning.
+    The torch backend only: the megatron backend refuses it."""
 
     @property
     def distilling(self) -> bool:
@@ -693,6 +711,9 @@ class Config(_Section):
     """vLLM's server and its arguments for `engine.kind: vllm`."""
 
     def __post_init__(self) -> None:
+        if self.train.lora is not None and self.train.backend != "torch":
+            raise ValueError("train.lora: LoRA adapters train on the torch backend only (the megatron backend "
+                             "has no adapters yet); use train.backend: torch, or leave train.lora out")
         kind = engine_kind(self.engine.kind)  # what the kind can honour (`config.engine_kinds`)
         if self.sync.mode not in kind.sync_modes:
             raise ValueError(f"sync.mode: {self.sync.mode} does not reach {kind.label} engines here "

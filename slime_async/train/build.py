@@ -33,7 +33,7 @@ def build_backend(config: Config, model_path: str | Path | None = None) -> Train
         return MegatronBackend(path, parallel=tc.megatron, **common)  # type: ignore[arg-type]
     from slime_async.train.torch_backend import TorchBackend
 
-    return TorchBackend(path, warmup_steps=tc.lr_warmup_steps, **common)  # type: ignore[arg-type]
+    return TorchBackend(path, warmup_steps=tc.lr_warmup_steps, lora=tc.lora, **common)  # type: ignore[arg-type]
 
 
 def run_dir(config: Config) -> Path:

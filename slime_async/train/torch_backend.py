@@ -24,9 +24,10 @@ from typing import Any, Literal
 import torch
 from transformers import AutoModelForCausalLM
 
-from slime_async.config.schema import MoeConfig
+from slime_async.config.schema import LoraConfig, MoeConfig
 from slime_async.moe.hf_layout import checkpoint_views
 from slime_async.moe.shape import moe_shape
+from slime_async.train import lora as L
 from slime_async.train.backend import DEFAULT_OPTIMIZER, Logprobs, LossFn, OptimizerSettings, StepResult, metric_floats
 from slime_async.train.batch import Batch
 from slime_async.train.fused_logprobs import fused_logprobs
@@ -62,6 +63,7 @@ class TorchBackend:
         reference: bool = False,
         warmup_steps: int = 0,
         moe: MoeConfig | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         from transformers.utils import logging as hf_logging
 
@@ -90,6 +92,12 @@ class TorchBackend:
         self.route_width = self.moe_shape.route_width if self.moe_shape and moe.routing_replay else None
         """Ids per token of a routed-experts record the batches should carry (None: no replay)."""
         self.router_stats = RouterStats(None, None, None, None)
+        # LoRA: adapters on the targeted layers, everything else frozen (the reference above, when
+        # there is one, is the base model: the adapters start at B = 0, so it is the initial policy)
+        self.lora = lora
+        self.lora_layers = L.apply_lora(self.model, lora.rank, lora.alpha, lora.target_modules) if lora else {}
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.num_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         # on a GPU: the token logprobs as compiled kernels over the (bf16) logits, no float32 copy kept
         # (`train/fused_logprobs.py`; Inductor's CPU path would need a C++ compiler)
@@ -100,8 +108,9 @@ class TorchBackend:
         self.warmup_steps = warmup_steps
         # fused/foreach kernels differ in rounding from the loop; fixing the implementation keeps
         # runs bit-reproducible on the same machine (checkpoint/resume equivalence relies on it).
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+            trainable, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
             foreach=False)
 
     # --- forward --------------------------------------------------------------------------
@@ -221,12 +230,20 @@ class TorchBackend:
     # --- weights and state ----------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.lora_layers:  # only the adapted layers change: their merged weights, under the base names
+            for name, weight in L.merged_weights(self.lora_layers):
+                yield name, weight.to(self.export_dtype)
+            return
         # checkpoint names: an MoE model's fused experts go out one expert at a time (`moe.hf_layout`)
         for name, view in checkpoint_views(self.model).items():
             yield name, view.to(self.export_dtype)
 
     def save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
+        if self.lora is not None:  # the adapters alone (peft's format); the base is `model.path`
+            L.save_adapters(self.lora_layers, path, str(self.model_dir), self.lora.target_modules)
+            torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
+            return
         self.model.save_pretrained(path)
         for name in TOKENIZER_FILES:
             if (self.model_dir / name).is_file():
@@ -236,8 +253,11 @@ class TorchBackend:
             self.reference.save_pretrained(path / "reference")
 
     def load(self, path: Path) -> None:
-        loaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
-        self.model.load_state_dict(loaded.state_dict())
+        if self.lora is not None:
+            L.load_adapters(self.lora_layers, path)
+        else:
+            loaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
+            self.model.load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
                                                   weights_only=True))
         if self.reference is not None and (path / "reference").is_dir():

@@ -1,0 +1,112 @@
+"""LoRA for the torch backend: low-rank adapters on chosen linear layers; only the adapters train.
+
+Each targeted `nn.Linear` (by its attribute name: `q_proj`, `down_proj`, ...) is wrapped in a
+`LoraLinear`: the frozen base weight W plus (alpha / rank) * B A, with A [rank, in] random and B
+[out, rank] zero, so the adapted model starts exactly at the base model (Hu et al. 2021). Everything
+else is frozen.
+
+Our own small module rather than peft: peft wraps the model in a `PeftModel` whose parameter names,
+`save_pretrained` and forward hooks the backend would have to undo at every boundary it has (HF
+names for the engines, the MoE routers' hooks, checkpoints that resume bit-exactly), for a feature
+that is 80 lines here. The adapters are still saved in peft's format (`adapter_config.json`,
+`adapter_model.safetensors` with peft's names), which SGLang's and vLLM's LoRA loaders read.
+
+The engines get the merged weights, W + (alpha / rank) B A, under the base model's names, and only
+those of the targeted layers: nothing else ever changes, and an engine (re)started on the base model
+already holds the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+"""peft's names for a causal LM's adapters: `base_model.model.<module path>.lora_A.weight`."""
+
+
+class LoraLinear(nn.Module):
+    """A frozen `nn.Linear` plus a trainable low-rank update (alpha / rank) * B A."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.rank, self.alpha = rank, alpha
+        self.scale = alpha / rank
+        dev, dtype = base.weight.device, base.weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=dev, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=dev, dtype=dtype))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear (and peft) initialise A
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_A.T.to(x.dtype) @ self.lora_B.T.to(x.dtype)) * self.scale
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        return self.base.weight + self.scale * (self.lora_B @ self.lora_A)
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str]) -> dict[str, LoraLinear]:
+    """Freeze `model` and wrap every `nn.Linear` whose attribute name is in `targets`; returns the
+    wrapped layers by module path. A ValueError naming `train.lora.target_modules` when none matched."""
+    model.requires_grad_(False)
+    found: dict[str, LoraLinear] = {}
+    for path, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            if name in targets and isinstance(child, nn.Linear):
+                wrapped = LoraLinear(child, rank, alpha)
+                setattr(module, name, wrapped)
+                found[f"{path}.{name}" if path else name] = wrapped
+    if not found:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"train.lora.target_modules: {targets} names no linear layer of the model; it has {linear}")
+    return found
+
+
+def adapter_parameters(layers: dict[str, LoraLinear]) -> int:
+    return sum(m.lora_A.numel() + m.lora_B.numel() for m in layers.values())
+
+
+def merged_weights(layers: dict[str, LoraLinear]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(base model's name, merged weight) of every adapted layer, and its bias when it has one: all
+    that an engine holding the base model needs to serve the adapted one."""
+    for path, m in layers.items():
+        yield f"{path}.weight", m.merged_weight()
+        if m.base.bias is not None:
+            yield f"{path}.bias", m.base.bias.detach()
+
+
+def save_adapters(layers: dict[str, LoraLinear], path: Path, base_model: str, targets: list[str]) -> None:
+    """The adapters in peft's format: `adapter_model.safetensors` and `adapter_config.json`."""
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, m in layers.items():
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().cpu().contiguous()
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().cpu().contiguous()
+    save_file(tensors, path / ADAPTER_WEIGHTS)
+    some = next(iter(layers.values()))
+    (path / ADAPTER_CONFIG).write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": some.rank,
+        "lora_alpha": some.alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True}, indent=2))
+
+
+@torch.no_grad()
+def load_adapters(layers: dict[str, LoraLinear], path: Path) -> None:
+    """Adapters saved by `save_adapters` back into `layers`; a ValueError when they do not fit."""
+    tensors = load_file(path / ADAPTER_WEIGHTS)
+    expected = {f"{PEFT_PREFIX}{n}.lora_{x}.weight" for n in layers for x in "AB"}
+    if set(tensors) != expected:
+        raise ValueError(f"{path / ADAPTER_WEIGHTS}: its adapters are not this model's train.lora layers "
+                         f"({len(tensors)} tensors, {len(expected)} expected)")
+    for name, m in layers.items():
+        m.lora_A.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])
+        m.lora_B.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"])
