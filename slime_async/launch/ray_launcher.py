@@ -73,6 +73,10 @@ class RayLauncher(LocalLauncher):
         if cfg.train.world_size > 1 and cfg.train.backend == "torch":
             raise ConfigError(f"train.world_size={cfg.train.world_size}: the torch backend trains on one rank; "
                               "use train.backend=megatron for more")
+        if cfg.train.distilling and not cfg.train.distill.urls:
+            raise ConfigError("train.distill.urls: under --ray the launcher does not start the teacher (it has no "
+                              "placement for it yet); serve train.distill.model yourself (`slime-async serve`, or "
+                              "an SGLang server) and give its URLs here")
         r = cfg.launch.ray
         host = r.host or HOST
         run = Path(cfg.run.dir).resolve()
