@@ -61,7 +61,9 @@ async def test_score_fails_over_from_a_dead_teacher(engines: list[EngineProcess]
     seq = np.array(PROMPTS[1], np.int32)
     async with SGLangClient([dead, engines[1].url], backoff=0.01, unhealthy_after=1) as client:
         (got,) = await client.score([seq], [2])
-        assert client.servers[dead].healthy is False and client.stats.retries >= 0
+        # the dead one is tried first (equally loaded: the first listed), then the request fails over
+        assert client.servers[dead].healthy is False and client.stats.retries == 1
+        assert client.stats.errors["ClientConnectorError"] == 1
     np.testing.assert_allclose(got, reference_logprobs(reference, seq.tolist())[1:], atol=1e-4)
 
 
