@@ -86,7 +86,7 @@ async def test_scorer_fills_every_turn_of_a_multi_turn_and_branched_trajectory(
     assert scorer.stats.tokens == 3 + (len(a) - 9) + (len(b) - 3)
 
 
-async def test_a_down_teacher_is_counted_and_the_group_goes_on_unscored() -> None:
+async def test_a_down_teacher_is_counted_and_the_group_goes_on_unscored(caplog: pytest.LogCaptureFixture) -> None:
     traj = trajectory([turn(PROMPTS[3][:3], PROMPTS[3][3:])])
     scorer = TeacherScorer(SGLangClient([dead_url()], retries=1, backoff=0.01, unhealthy_after=1))
     async with scorer.client:
@@ -95,8 +95,10 @@ async def test_a_down_teacher_is_counted_and_the_group_goes_on_unscored() -> Non
         assert scorer.client.any_healthy is False
         again = trajectory([turn(PROMPTS[1][:3], PROMPTS[1][3:])])
         requests = scorer.client.stats.requests
-        await scorer.score([again])  # marked down: not asked at all until its health check passes
+        caplog.clear()
+        await scorer.score([again])  # marked down: not asked at all (nor waited for) until it is healthy again
         assert scorer.client.stats.requests == requests
+        assert not [r for r in caplog.records if "could not score" in r.getMessage()]  # no attempt was made
     assert sink.groups == [[traj]] and traj.turns[0].teacher_logprobs is None
     assert scorer.stats.outcomes == {"teacher_unavailable": 2}
     assert scorer.stats.summary(scorer.client)["teacher_unavailable"] == 2
