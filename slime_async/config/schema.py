@@ -387,9 +387,10 @@ class DistillConfig(_Section):
     """Whether the env's reward trains too (GRPO's advantages plus the KL term). False: pure
     distillation, the reward is only measured."""
     timeout_s: PositiveFloat = 10.0
-    """Per scoring request. A teacher that is slower, or down, never holds the rollout or the trainer
-    back: after `retries` the group goes to the buffer unscored (counted as `teacher_unavailable`) and
-    trains without the KL term."""
+    """Per scoring request. A teacher that is slower, or down, never stalls the rollout or the trainer:
+    a group waits at most `(retries + 1) x timeout_s` (plus backoff), then goes to the buffer unscored
+    (counted as `teacher_unavailable`) and trains without the KL term; a teacher marked down is not
+    waited for at all."""
     retries: NonNegativeInt = 2
     """Extra attempts of a failed scoring request (with backoff, failing over between `urls`)."""
     max_batch: PositiveInt = 16
