@@ -34,7 +34,7 @@ def teacher(quick: bool) -> tuple[Path, dict]:
     """The warm-started teacher's directory (trained now or cached) and its held-out success."""
     from slime_async.config import load_config
     from slime_async.launch.success_check import measure_success
-    from slime_async.train.tiny_model import ModelSpec, default_cache_dir, make_model
+    from slime_async.models.tiny_model import ModelSpec, default_cache_dir, make_model
     from slime_async.train.warmstart import warm_start
 
     base = default_cache_dir() / "models" / "distill-teacher-seed0"

@@ -11,7 +11,7 @@ import pytest
 
 from slime_async.config import ConfigError
 from slime_async.config.model_dir import check_teacher
-from slime_async.train.tiny_model import PRESETS, make_model
+from slime_async.models.tiny_model import PRESETS, make_model
 
 CLI = Path(sys.executable).with_name("slime-async")
 REPO = Path(__file__).resolve().parents[2]
