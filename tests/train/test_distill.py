@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from trajectories import make_trajectories
 
 from slime_async.config.schema import DistillConfig, TrainConfig
+from slime_async.train.backend import OptimizerSettings
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.objective import Objective
+from slime_async.train.synthetic import make_trajectories
 from slime_async.train.torch_backend import TorchBackend
 from slime_async.types import StopReason, Trajectory, Turn, from_json, from_msgpack, to_json, to_msgpack
 
@@ -79,7 +80,7 @@ def test_pure_distillation_steps_pull_the_student_towards_the_teacher(tiny_model
     """Real torch steps: the student (tiny model) on its own samples' tokens, scored by another model
     (the varied one), with no task reward: each token's logprob moves towards the teacher's."""
     cfg = TrainConfig(lr=3e-3, distill=DistillConfig(model="teacher", task_reward=False), micro_batch_size=8)
-    student = TorchBackend(tiny_model_dir, device="cpu", lr=cfg.lr)  # type: ignore[arg-type]
+    student = TorchBackend(tiny_model_dir, device="cpu", optim=OptimizerSettings(lr=cfg.lr))  # type: ignore[arg-type]
     teacher = TorchBackend(varied_model_dir, device="cpu")  # type: ignore[arg-type]
     trajs = make_trajectories(8, group_size=4, turns=1)
     obj = Objective(cfg)

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from trajectories import make_trajectories
 
 from slime_async.config import ConfigError, load_config
 from slime_async.config.schema import LoraConfig, SyncConfig, TrainConfig
 from slime_async.launch.process import start_engine
 from slime_async.rollout.client import SGLangClient
 from slime_async.sync import WeightPublisher
+from slime_async.train.backend import OptimizerSettings
 from slime_async.train.batch import Batch, build_batch
 from slime_async.train.objective import Objective
+from slime_async.train.synthetic import make_trajectories
 from slime_async.train.torch_backend import TorchBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +32,8 @@ def batch() -> Batch:
 
 
 def lora_backend(model_dir: Path, **kw: object) -> TorchBackend:
-    return TorchBackend(model_dir, device="cpu", lr=1e-2, lora=LoraConfig(rank=4, alpha=8.0), **kw)  # type: ignore[arg-type]
+    return TorchBackend(model_dir, device="cpu", optim=OptimizerSettings(lr=1e-2), lora=LoraConfig(rank=4, alpha=8.0),
+                        **kw)  # type: ignore[arg-type]
 
 
 def steps(be: TorchBackend, b: Batch, n: int = 3) -> None:
