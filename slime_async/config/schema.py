@@ -347,7 +347,8 @@ class MegatronConfig(_Section):
     """MoE models: each layer's experts as grouped matrix products over stacked weights (two
     `torch._grouped_mm` per layer, whatever the number of experts; `megatron/grouped_experts.py`), where
     False runs Megatron's `SequentialMLP`, a Python loop over the experts (for comparison). Same weights,
-    names and values either way."""
+    names and values either way; the optimizer state is laid out differently, so a checkpoint resumes
+    only with the setting it was saved with (the other is refused, naming this field)."""
 
 
 class MoeConfig(_Section):
@@ -388,9 +389,11 @@ class DistillConfig(_Section):
     distillation, the reward is only measured."""
     timeout_s: PositiveFloat = 10.0
     """Per scoring request. A teacher that is slower, or down, never stalls the rollout or the trainer:
-    a group waits at most `(retries + 1) x timeout_s` (plus backoff), then goes to the buffer unscored
-    (counted as `teacher_unavailable`) and trains without the KL term; a teacher marked down is not
-    waited for at all."""
+    each of a group's requests waits at most `(retries + 1) x timeout_s` (plus backoff; and, before it
+    is sent, for one of the worker's `max_in_flight` request slots), then the group goes to the buffer
+    unscored (counted as `teacher_unavailable`) and trains without the KL term; a teacher marked down is
+    not waited for at all. Needs `rollout.sampling` at temperature 1 without top_p or top_k: the
+    teacher's logprobs are plain log-softmax."""
     retries: NonNegativeInt = 2
     """Extra attempts of a failed scoring request (with backoff, failing over between `urls`)."""
     max_batch: PositiveInt = 16
@@ -715,6 +718,22 @@ class Config(_Section):
         if self.train.lora is not None and self.train.backend != "torch":
             raise ValueError("train.lora: LoRA adapters train on the torch backend only (the megatron backend "
                              "has no adapters yet); use train.backend: torch, or leave train.lora out")
+        # a LoRA run pushes only the adapted layers' merged weights: engines must keep the rest
+        if self.train.lora is not None and self.engine.kind == "vllm":
+            raise ValueError("train.lora: vLLM reloads a whole checkpoint from disk and a LoRA run publishes only "
+                             "the adapted layers; use engine.kind embedded or sglang")
+        if self.train.lora is not None and self.sync.release_memory:
+            raise ValueError("train.lora: with sync.release_memory an engine gives its weights back and takes them "
+                             "all from the next push, and a LoRA run pushes only the adapted layers; set "
+                             "sync.release_memory: false")
+        if self.train.distilling:
+            s = self.rollout.sampling
+            if s.temperature != 1.0 or s.top_p < 1.0 or s.top_k > 0:
+                # the teacher scores plain log-softmax (SGLang's prompt scoring takes no sampling
+                # settings) and the term compares it with the behaviour logprobs of the sampled policy
+                raise ValueError(f"train.distill: rollout.sampling must be temperature 1 with no top_p or top_k "
+                                 f"(got temperature {s.temperature}, top_p {s.top_p}, top_k {s.top_k}): the "
+                                 "teacher's logprobs are plain log-softmax, the student's are of what it sampled from")
         kind = engine_kind(self.engine.kind)  # what the kind can honour (`config.engine_kinds`)
         if self.sync.mode not in kind.sync_modes:
             raise ValueError(f"sync.mode: {self.sync.mode} does not reach {kind.label} engines here "

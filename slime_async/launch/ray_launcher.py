@@ -83,6 +83,10 @@ class RayLauncher(LocalLauncher):
         release = cfg.sync.release_memory
         if release is None:
             release = r.layout == "colocated"
+        if release and cfg.train.lora is not None:
+            raise ConfigError("train.lora: the colocated layout releases engine memory between steps "
+                              "(sync.release_memory), and a LoRA run pushes only the adapted layers back; set "
+                              "sync.release_memory: false")
         self.run_dir = run / cfg.run.name
         self._user_curve_dir = cfg.buffer.curve_dir
         endpoint = cfg.buffer.endpoint.replace("127.0.0.1", host).replace("localhost", host)

@@ -381,7 +381,7 @@ def test_grouped_experts_on_a_gpu_in_bfloat16_match_sequential_mlp(moe_dir: Path
 
     batch = batch_of(6)
     replayed = batch_with(batch, own_routes(AutoModelForCausalLM.from_pretrained(moe_dir), batch))
-    kw = dict(device="cuda", dtype="bfloat16", lr=1e-3, micro_batch_size=2,
+    kw = dict(device="cuda", dtype="bfloat16", optim=OptimizerSettings(lr=1e-3), micro_batch_size=2,
               moe=MoeConfig(aux_loss_coef=0.3, z_loss_coef=0.02))
     # fused_logprobs off: no compilation for these few short micro-batches (the experts are what is compared)
     grouped, looped = (MegatronBackend(moe_dir, parallel=MegatronConfig(moe_grouped_gemm=on, fused_logprobs=False),
@@ -402,3 +402,16 @@ def test_grouped_experts_on_a_gpu_in_bfloat16_match_sequential_mlp(moe_dir: Path
     assert results[0].grad_norm == pytest.approx(results[1].grad_norm, rel=0.05)
     for k in ("moe/aux_loss", "moe/z_loss"):
         assert results[0].metrics[k] == pytest.approx(results[1].metrics[k], rel=0.02), k
+
+
+def test_a_checkpoint_of_one_expert_layout_is_refused_by_the_other(moe_dir: Path, mega: MegatronBackend,
+                                                                   tmp_path: Path) -> None:
+    """Grouped experts keep two stacked tensors a layer and SequentialMLP two per expert: their optimizer
+    states differ, so resuming across `train.megatron.moe_grouped_gemm` is refused, naming it (it failed
+    inside the optimizer's load before)."""
+    mega.save(tmp_path / "ckpt")
+    looped = MegatronBackend(moe_dir, device="cpu", micro_batch_size=4, moe=NO_AUX,
+                             parallel=MegatronConfig(moe_grouped_gemm=False))
+    with pytest.raises(ValueError, match="moe_grouped_gemm"):
+        looped.load(tmp_path / "ckpt")
+    MegatronBackend(moe_dir, device="cpu", micro_batch_size=4, moe=NO_AUX).load(tmp_path / "ckpt")  # same: loads

@@ -389,6 +389,8 @@ class MegatronBackend:
                   "data_parallel": self.layout.dp}
         if self.shape.moe is not None:  # each rank's optimizer state holds its own experts
             record["expert_parallel"] = self.layout.ep
+            # grouped experts keep two stacked tensors a layer, SequentialMLP 2 x E: other optimizer state
+            record["moe_grouped_gemm"] = int(self.grouped_experts)
         return record
 
     def save(self, path: Path) -> None:
