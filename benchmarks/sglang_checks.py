@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from slime_async.config.schema import SyncConfig
+from slime_async.launch.local import free_port
 from slime_async.rollout.client import SGLangClient
 from slime_async.sync.publisher import WeightPublisher
 
@@ -41,6 +42,11 @@ class RecordingClient(SGLangClient):
     def _parse(self, raw: bytes):  # type: ignore[no-untyped-def]
         self.raw.append(raw)
         return super()._parse(raw)
+
+
+def dead_url() -> str:
+    """A loopback URL nothing listens on (the port was free a moment ago): the failover check's dead server."""
+    return f"http://127.0.0.1:{free_port('127.0.0.1')}"
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -140,9 +146,9 @@ async def client_generate_once(url: str, vocab: int) -> bool:
         return len(gen.output_ids) == 4
 
 
-async def check_failover(url: str, dead_url: str, vocab: int, n: int = 8) -> dict[str, Any]:
+async def check_failover(url: str, dead: str, vocab: int, n: int = 8) -> dict[str, Any]:
     """With a dead server listed first, every episode is served by the live one."""
-    async with SGLangClient([dead_url, url], retries=4, backoff=0.05) as client:
+    async with SGLangClient([dead, url], retries=4, backoff=0.05) as client:
         params = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
         gens = await asyncio.gather(*(client.generate(p, params, episode=f"e{i}")
                                       for i, p in enumerate(prompts(n, vocab))))
@@ -215,13 +221,13 @@ async def publish_pause(url: str, model: torch.nn.Module, version: int, repeats:
     return {"ok": True, "publish_s_median": float(np.median(times)), "publish_s": times}
 
 
-async def run_checks(url: str, model: torch.nn.Module, vocab: int, dead_url: str, disk_dir: Path,
+async def run_checks(url: str, model: torch.nn.Module, vocab: int, dead: str, disk_dir: Path,
                      tensor_format: str = "auto") -> dict[str, dict[str, Any]]:
     """Every check in order (the publishes move the server to versions 1 and 2)."""
     out: dict[str, dict[str, Any]] = {}
     steps = [("generate", lambda: check_generate(url, vocab)),
              ("abort", lambda: check_abort(url, vocab)),
-             ("failover", lambda: check_failover(url, dead_url, vocab)),
+             ("failover", lambda: check_failover(url, dead, vocab)),
              ("publish_tensor", lambda: check_publish(url, model, vocab, 1, "tensor", None, tensor_format, seed=1)),
              ("publish_disk", lambda: check_publish(url, model, vocab, 2, "disk", disk_dir, seed=2)),
              ("generate_after_push", lambda: check_generate(url, vocab, n=4))]

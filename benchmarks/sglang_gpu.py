@@ -35,7 +35,8 @@ import torch
 
 from benchmarks import Result
 from benchmarks.engine import decode_rate
-from benchmarks.sglang_checks import prompts, publish_pause, run_checks, score
+from benchmarks.sglang_checks import dead_url, prompts, publish_pause, run_checks, score
+from slime_async.launch.local import free_port
 
 DESCRIPTION = ("real SGLang on a GPU: our client, rollout, weight push and train against it; decode tok/s and "
                "update pause vs the embedded engine")
@@ -48,14 +49,6 @@ def _out() -> Path:
     out = Path(os.environ.get("SGLANG_GPU_OUT", "/tmp/sglang_gpu"))
     out.mkdir(parents=True, exist_ok=True)
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_sglang(model_dir: Path, port: int, log: Path):  # -> ChildProcess
@@ -152,7 +145,7 @@ def run(quick: bool = False) -> Result:
     rates: dict[str, dict[int, float]] = {}
     pauses: dict[str, float] = {}
 
-    port = _free_port()
+    port = free_port("127.0.0.1")
     started = time.perf_counter()
     try:
         server, argv = _start_sglang(model_dir, port, out / "sglang.log")
@@ -163,7 +156,7 @@ def run(quick: bool = False) -> Result:
         url = f"http://127.0.0.1:{port}"
         stages["start"] = {"ok": True, "seconds": time.perf_counter() - started, "argv": argv[2:]}
         try:
-            checks = asyncio.run(run_checks(url, model, vocab, f"http://127.0.0.1:{_free_port()}", out / "disk"))
+            checks = asyncio.run(run_checks(url, model, vocab, dead_url(), out / "disk"))
             stages.update({f"sglang/{k}": v for k, v in checks.items()})
             _save(out, details)
             stages["sglang/rollout"] = _guard(lambda: _rollout(url, model_dir, out))
@@ -179,7 +172,7 @@ def run(quick: bool = False) -> Result:
     engine = start_engine(model_dir, "--device", "cuda", "--dtype", "bfloat16", "--max-batch-size",
                           str(max(CONCURRENCY)), log_path=out / "embedded.log", timeout=300)
     try:
-        checks = asyncio.run(run_checks(engine.url, model, vocab, f"http://127.0.0.1:{_free_port()}",
+        checks = asyncio.run(run_checks(engine.url, model, vocab, dead_url(),
                                         out / "disk_embedded"))
         stages.update({f"embedded/{k}": v for k, v in checks.items()})
         rates["embedded"] = _guard_value(lambda: _rates(engine.url, vocab), stages, "embedded/decode")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.sglang_checks import check_generate, check_publish, run_checks
+from benchmarks.sglang_checks import check_generate, check_publish, dead_url, run_checks
 from slime_async.launch.process import start_engine
 
 pytestmark = pytest.mark.slow
@@ -27,18 +27,10 @@ def _trainer(model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _dead_url() -> str:
-    import socket
-
-    with socket.socket() as s:  # a port nothing listens on once this closes
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
-
-
 async def test_every_check_passes_against_the_embedded_engine(served: str, tiny_model_dir: Path,
                                                               tmp_path: Path) -> None:
     model = _trainer(tiny_model_dir)
-    out = await run_checks(served, model, model.config.vocab_size, _dead_url(), tmp_path / "disk")
+    out = await run_checks(served, model, model.config.vocab_size, dead_url(), tmp_path / "disk")
     failed = {k: v for k, v in out.items() if not v.get("ok")}
     assert not failed, failed
     assert out["generate"]["recorded_vs_raw_mismatches"] == 0
