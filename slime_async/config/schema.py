@@ -252,7 +252,13 @@ class RolloutConfig(_Section):
     """Bound eta: a trajectory's tokens are at most this many versions older than the trainer.
     0 is synchronous on-policy."""
     max_concurrency: PositiveInt = 256
-    """Most episodes in flight per rollout worker."""
+    """Most episodes in flight (split evenly over the rollout workers); with `adaptive_concurrency`,
+    the ceiling of the adaptive limit."""
+    adaptive_concurrency: bool = False
+    """Size the episodes in flight from the engines' own load instead (SGLang's `/v1/loads`, vLLM's
+    `/metrics`: requests running and waiting): grow while no request waits for a batch slot, shrink
+    while a queue builds (`slime_async/rollout/concurrency.py` has the rule). The engines stay saturated
+    without a hand-set number, and requests do not queue inside them (longer turns, staler tokens)."""
     num_workers: PositiveInt = 1
     """Rollout worker processes (one asyncio loop each)."""
     partial_mode: Literal["in_place", "abort"] = "in_place"

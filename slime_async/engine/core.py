@@ -122,6 +122,9 @@ class Engine:
         self.generated_tokens = 0
         self.finished = 0
         self.aborted = 0
+        self.busy_s = 0.0
+        """Seconds the loop spent admitting and decoding (work in hand): with wall-clock time, the share
+        of it the engine generated, for a run's time split (`/server_info`)."""
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -162,6 +165,7 @@ class Engine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            began = time.perf_counter()
             try:
                 self._admit()
                 if self.running:
@@ -173,6 +177,8 @@ class Engine:
                     self._finish(seq, abort_reason(f"engine error: {exc!r}"))
                 self.waiting.clear()
                 self.errors += 1
+            finally:
+                self.busy_s += time.perf_counter() - began
 
     def _run_commands(self) -> None:
         while True:

@@ -74,7 +74,7 @@ def metrics_line(record: StepRecord, counters: dict[str, int], started: float) -
         "loss": record.loss, "grad_norm": record.grad_norm, "max_staleness": record.max_staleness,
         "seconds": record.seconds, "elapsed_s": time.monotonic() - started, "time": time.time(),
         "skipped_steps": record.skipped_steps, "publish_s": getattr(record.publish, "seconds", None),
-        "publish_bytes": getattr(record.publish, "bytes", None),
+        "publish_bytes": getattr(record.publish, "bytes", None), **record.times,
         **{k: v for k, v in record.metrics.items() if isinstance(v, int | float)},
         "counters": dict(counters),
     }
