@@ -36,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -71,10 +71,16 @@ def run(quick: bool = False) -> Result:
     details: dict[str, Any] = json.loads(out.read_text())["details"] if out.exists() else {}
     details.setdefault("shapes", {})
     details["device"] = torch.cuda.get_device_name()
+    def save(shape: str, part: dict[str, Any]) -> None:
+        """After each run: what was measured so far survives a device call cut off at its time limit."""
+        details["shapes"][shape] = part
+        out.write_text(json.dumps({"benchmark": "e2e_gpu", "partial": True, "details": details}, indent=2) + "\n")
+
     for shape in shapes:
         found = details["shapes"].get(shape, {})
         details["shapes"][shape] = measure_shape(shape, steps, work, torch.cuda.get_device_name(), etas, generation,
-                                                 found.get("runs", {}), found.get("generation_alone"))
+                                                 found.get("runs", {}), found.get("generation_alone"),
+                                                 lambda part, shape=shape: save(shape, part))
     rows = [row for shape in details["shapes"].values() for row in shape["rows"]]
     return Result(
         columns=["shape", "run", "steps", "s (steady)", "samples/s", "gen tok/s", "wait", "train", "publish",
@@ -83,9 +89,10 @@ def run(quick: bool = False) -> Result:
 
 
 def measure_shape(shape: str, steps: int, tmp: Path, device: str, etas: list[int], with_generation: bool,
-                  runs: dict[str, dict[str, Any]], generation: list[dict[str, Any]] | None) -> dict[str, Any]:
+                  runs: dict[str, dict[str, Any]], generation: list[dict[str, Any]] | None,
+                  save: Callable[[dict[str, Any]], None] = lambda part: None) -> dict[str, Any]:
     """The `etas` runs and (`with_generation`) the engine-alone rows of one shape, added to `runs` and
-    `generation` (an earlier call's)."""
+    `generation` (an earlier call's); `save` gets the figures so far after each run."""
     from slime_async.models.tiny_model import PRESETS, make_model
 
     began = time.monotonic()
@@ -103,6 +110,7 @@ def measure_shape(shape: str, steps: int, tmp: Path, device: str, etas: list[int
         if eta == 2:
             runs[name]["success_before"] = s["success_before"]["sampled"]
             runs[name]["success_after"] = s["success_after"]["sampled"]
+        save(summarise(shape, runs, generation or [], made_s, device))
     if with_generation:  # on the warm-started weights (of this machine: an earlier call's may be gone)
         warm = next(Path(r["warmstart"]["path"]) for r in reversed(runs.values())
                     if Path(r["warmstart"]["path"]).is_dir())
@@ -218,10 +226,12 @@ def sampling_gpu() -> Iterator[GpuSampler]:
 # --- the engine alone ------------------------------------------------------------------------------
 
 
-def generation_alone(model: Path, tmp: Path, config: str = CONFIG, groups: int = 64,
+def generation_alone(model: Path, tmp: Path, config: str = CONFIG, groups: int = 96,
                      concurrencies: tuple[int, ...] = CONCURRENCY) -> list[dict[str, Any]]:
     """The warm-started model in one engine (as the run's), and `slime-async rollout` against it at each
-    hand-set concurrency and with adaptive concurrency: episodes and tokens per second."""
+    hand-set concurrency and with adaptive concurrency: episodes and tokens per second. A first rollout
+    of a few groups, not counted, pays the one-time costs (the first replays of each CUDA graph, the
+    tokenizer) that would otherwise all fall on the first row."""
     from slime_async.config.loader import load_config
     from slime_async.launch.process import start_engine
     from slime_async.launch.rollout_run import rollout_to_file
@@ -231,15 +241,18 @@ def generation_alone(model: Path, tmp: Path, config: str = CONFIG, groups: int =
                           str(cfg.engine.max_batch_size), timeout=300)
     rows = []
     try:
-        for concurrency in [*concurrencies, "adaptive"]:
+        for concurrency in ["warm-up", *concurrencies, "adaptive"]:
             adaptive = concurrency == "adaptive"
+            limit = concurrency if isinstance(concurrency, int) else max(concurrencies)  # adaptive: the ceiling
             run_cfg = load_config(str(REPO / config), [
-                f"engine.urls=[{engine.url}]", f"model.path={model}",
-                f"rollout.max_concurrency={max(concurrencies) if adaptive else concurrency}",
+                f"engine.urls=[{engine.url}]", f"model.path={model}", f"rollout.max_concurrency={limit}",
                 f"rollout.adaptive_concurrency={str(adaptive).lower()}"])
             began = time.monotonic()
-            stats = rollout_to_file(run_cfg, model, tmp / f"rollout-{concurrency}.jsonl", groups, "train")
+            stats = rollout_to_file(run_cfg, model, tmp / f"rollout-{concurrency}.jsonl",
+                                    max(1, groups // 8) if concurrency == "warm-up" else groups, "train")
             seconds = time.monotonic() - began
+            if concurrency == "warm-up":
+                continue
             s = stats.summary()
             rows.append({"concurrency": concurrency, "episodes": s["episodes"], "seconds": seconds,
                          "episodes_per_s": s["episodes"] / seconds, "tokens_per_s": stats.tokens / seconds,
@@ -281,7 +294,8 @@ def summarise(shape: str, runs: dict[str, dict[str, Any]], generation: list[dict
         rows.append([shape, f"generation alone, concurrency {g['concurrency']}", "-", g["seconds"], "-",
                      g["tokens_per_s"], "-", "-", "-", "-", "-", g["episodes_per_s"] / best["episodes_per_s"]
                      if best else "-"])
-    return {"device": device, "model_made_s": made_s, "runs": runs, "generation_alone": generation,
+    return {"device": device, "commit": os.environ.get("SLIME_ASYNC_BENCH_COMMIT"), "model_made_s": made_s,
+            "runs": runs, "generation_alone": generation,
             "train_alone_samples_per_s": train_alone, "best_hand_set": best and best["concurrency"],
             "adaptive_vs_best": adaptive["episodes_per_s"] / best["episodes_per_s"] if adaptive and best else None,
             "rows": rows}

@@ -115,6 +115,8 @@ class EngineLoad:
     """Queued for a slot: the engine is saturated, and each one only waits."""
     engines: int
     """Engines that answered."""
+    capacity: int | None = None
+    """Their batch slots together (SGLang's `max_running_requests`); None when one did not say (vLLM)."""
 
 
 @dataclass
@@ -358,10 +360,13 @@ class SGLangClient:
     """GET: the engine's requests running and waiting (`_parse_load` reads it). SGLang's older
     `/get_load` counts waiting requests as running too, logs a deprecation per call, and is gone in 0.5.23."""
 
-    def _parse_load(self, raw: bytes) -> tuple[int, int]:
-        """(running, waiting) from SGLang's `/v1/loads`: `loads`, one object per data-parallel rank."""
+    def _parse_load(self, raw: bytes) -> tuple[int, int, int | None]:
+        """(running, waiting, batch slots or None) from SGLang's `/v1/loads`: `loads`, one object per
+        data-parallel rank (`max_running_requests` is 0 or absent where a rank does not say)."""
         ranks = json.loads(raw)["loads"]
-        return sum(int(r["num_running_reqs"]) for r in ranks), sum(int(r["num_waiting_reqs"]) for r in ranks)
+        slots = [int(r.get("max_running_requests") or 0) for r in ranks]
+        return (sum(int(r["num_running_reqs"]) for r in ranks), sum(int(r["num_waiting_reqs"]) for r in ranks),
+                sum(slots) if all(slots) else None)
 
     def _body(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
               routed_from: int | None = None) -> bytes:
@@ -518,6 +523,7 @@ class SGLangClient:
         (an engine without the route: `rollout.adaptive_concurrency` then keeps its limit)."""
         assert self._session is not None
         running = waiting = answered = 0
+        capacity: int | None = 0
         for server in self.servers.values():
             if not server.healthy:
                 continue
@@ -525,9 +531,10 @@ class SGLangClient:
                                      KeyError, TypeError):
                 async with self._session.get(server.url + self.LOAD, timeout=aiohttp.ClientTimeout(total=5)) as r:
                     r.raise_for_status()
-                    one = self._parse_load(await r.read())
-                running, waiting, answered = running + one[0], waiting + one[1], answered + 1
-        return EngineLoad(running, waiting, answered) if answered else None
+                    one_running, one_waiting, one_capacity = self._parse_load(await r.read())
+                running, waiting, answered = running + one_running, waiting + one_waiting, answered + 1
+                capacity = None if capacity is None or one_capacity is None else capacity + one_capacity
+        return EngineLoad(running, waiting, answered, capacity) if answered else None
 
     async def check_health(self) -> dict[str, bool]:
         """Probe every server now; returns url -> healthy."""

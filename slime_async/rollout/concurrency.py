@@ -8,17 +8,22 @@ the worker measures instead of guessing. It asks the engines (SGLang's `GET /v1/
 `/metrics`) how many requests are running and how many wait for a batch slot; a waiting request is
 the one sign that an engine is saturated, whatever its batch size.
 
-The rule, once per period, from the engines' requests waiting (summed over the engines) and the
-episodes this worker has in flight:
-- more waiting than `slack` (an eighth of the requests running, at least one): the engines are
-  saturated and a new request only queues; the limit shrinks by a quarter, not below `floor`;
-- none waiting while this worker uses its whole limit (the limit is what holds the engines back):
-  the limit doubles until the first shrink (slow start, so a run reaches its level in seconds), then
-  grows by an eighth, at least one, up to `ceiling`;
+The rule, once per period, from the engines' requests running and waiting and their batch slots
+(summed over the engines; SGLang's `max_running_requests`, unknown for vLLM) and the episodes this
+worker has in flight, with `slack` an eighth of the requests running (at least one):
+- saturated (more waiting than `slack`, and the slots full to within `slack`, or the slots unknown):
+  a new request only queues; the limit shrinks by a quarter, not below `floor`;
+- held back by its own limit (the worker uses all of it) while the engines have room (nothing waits,
+  or more than `slack` slots free): it grows, at first (slow start, so a run reaches its level in
+  seconds) straight to the engines' slots or else double, then by an eighth (at least one), up to
+  `ceiling`;
 - anything else (a small queue, or a worker held back by the staleness budget rather than by its
   limit): it holds.
-The slack keeps a short queue on purpose: a request that ends frees its slot before the episode's
-next turn arrives, and a queue of a few requests fills that gap without making every turn wait.
+The slots matter because an engine also queues requests it has room for: the embedded engine admits
+a bounded number of prompt tokens per prefill, SGLang schedules by its token budget, so requests wait
+a step while slots are free, and more of them still raise its throughput. The slack keeps a short
+queue on purpose: a request that ends frees its slot before the episode's next turn arrives, and a
+queue of a few requests fills that gap without making every turn wait.
 
 Check: with `max_concurrency` as the ceiling, `floor <= limit <= ceiling` always; a worker that cannot
 read any engine's load keeps the limit it has (and says so once).
@@ -95,12 +100,17 @@ class AdaptiveLimit:
         if load is None:
             return self.limit
         slack = max(1, load.running // 8)
-        if load.waiting > slack:
+        full = load.capacity is None or load.running >= load.capacity - slack
+        room = load.waiting == 0 or (load.capacity is not None and load.running < load.capacity - slack)
+        if load.waiting > slack and full:
             self.limit = max(self.floor, self.limit - max(1, self.limit // 4))
             self.slow_start = False
-        elif load.waiting == 0 and in_flight >= self.limit:
-            grow = self.limit if self.slow_start else max(1, self.limit // 8)
-            self.limit = min(self.ceiling, self.limit + grow)
+        elif in_flight >= self.limit and room:
+            if self.slow_start:
+                self.limit = max(2 * self.limit, load.capacity or 0)
+            else:
+                self.limit += max(1, self.limit // 8)
+            self.limit = min(self.ceiling, self.limit)
         self.history.append((load.running, load.waiting, self.limit))
         del self.history[:-512]  # the recent past is what the stats show
         return self.limit

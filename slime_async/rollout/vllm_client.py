@@ -103,7 +103,7 @@ class VLLMClient(SGLangClient):
     LOAD = "/metrics"
     """vLLM has no `/v1/loads`: its Prometheus gauges `vllm:num_requests_running` and `..._waiting`."""
 
-    def _parse_load(self, raw: bytes) -> tuple[int, int]:
+    def _parse_load(self, raw: bytes) -> tuple[int, int, int | None]:
         found = {"running": 0.0, "waiting": 0.0}
         seen = set()
         for m in _GAUGE.finditer(raw.decode()):  # one line per engine core / model label set: summed
@@ -111,7 +111,7 @@ class VLLMClient(SGLangClient):
             seen.add(m["what"])
         if seen != {"running", "waiting"}:
             raise ValueError(f"{self.LOAD}: no vllm:num_requests_{'/'.join(sorted({'running', 'waiting'} - seen))}")
-        return int(found["running"]), int(found["waiting"])
+        return int(found["running"]), int(found["waiting"]), None  # its max_num_seqs is not among its metrics
 
     def _body(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
               routed_from: int | None = None) -> bytes:

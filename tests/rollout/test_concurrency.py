@@ -15,8 +15,8 @@ from slime_async.rollout.client import EngineLoad
 from slime_async.rollout.concurrency import AdaptiveLimit, ConcurrencyGate
 
 
-def load(running: int, waiting: int) -> EngineLoad:
-    return EngineLoad(running=running, waiting=waiting, engines=1)
+def load(running: int, waiting: int, capacity: int | None = None) -> EngineLoad:
+    return EngineLoad(running=running, waiting=waiting, engines=1, capacity=capacity)
 
 
 def test_slow_start_doubles_while_nothing_waits_and_the_limit_binds() -> None:
@@ -38,6 +38,17 @@ def test_a_short_queue_or_an_unused_limit_holds_it() -> None:
     assert rule.update(load(running=10, waiting=0), in_flight=12) == 40  # the staleness budget binds, not we
     assert rule.update(None, in_flight=40) == 40  # no engine answered
     assert rule.history == [(32, 4, 40), (10, 0, 40)]
+
+
+def test_with_the_engines_slots_known_a_queue_beside_free_slots_grows_the_limit() -> None:
+    rule = AdaptiveLimit(floor=8, ceiling=512, start=16)
+    assert rule.update(load(running=10, waiting=6, capacity=128), in_flight=16) == 128  # slow start: to the slots
+    # slots free (the engine queues what it has room for: prefill budget): more episodes, not fewer
+    rule.slow_start = False
+    assert rule.update(load(running=90, waiting=30, capacity=128), in_flight=128) == 144
+    # slots full to within the slack, and a queue: saturated
+    assert rule.update(load(running=125, waiting=30, capacity=128), in_flight=144) == 108
+    assert rule.update(load(running=125, waiting=3, capacity=128), in_flight=108) == 108  # within the slack
 
 
 def test_the_limit_stays_between_floor_and_ceiling() -> None:
@@ -95,7 +106,7 @@ async def test_the_engines_load_is_sglangs_v1_loads_summed_over_engines(small_en
         "timestamp": 0, "dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0,
         "num_total_tokens": 0, "max_total_num_tokens": 4 * 1024, "max_running_requests": 4, "token_usage": 0.0}
     async with SGLangClient([small_engine.url, *(e.url for e in engines)]) as client:
-        assert await client.load() == EngineLoad(running=0, waiting=0, engines=3)
+        assert await client.load() == EngineLoad(running=0, waiting=0, engines=3, capacity=4 + 16 + 16)
         client.servers[small_engine.url].healthy = False  # an unhealthy engine is not asked
         assert (await client.load()).engines == 2
     async with SGLangClient(["http://127.0.0.1:9"]) as client:  # nothing answers: None, not an error
