@@ -21,8 +21,10 @@ second: generation alone (the engine alone, best hand-set concurrency) times the
 Parts to run (a device call lasts at most 10 minutes: one shape's runs take two, on the same warm
 machine, which keeps the model and its cached warm-start under `E2E_GPU_DIR`): `E2E_GPU_SHAPES`
 (default `0.5b,1.5b`), `E2E_GPU_ETAS` (default `2,0,1,4`; eta 2 must come first, it warm-starts),
-`E2E_GPU_GENERATION` (`1`: the engine-alone rows, the default) and steps per run `E2E_GPU_STEPS`
-(default 24). Whatever is not run this time is kept from `benchmarks/results/e2e_gpu.json`.
+`E2E_GPU_GENERATION` (`1`: the engine-alone rows, the default), steps per run `E2E_GPU_STEPS`
+(default 24) and `E2E_GPU_OVERRIDES` (config overrides of every run, space-separated, e.g. a smaller
+`train.micro_batch_size` for the 1.5B shape). Whatever is not run this time is kept from
+`benchmarks/results/e2e_gpu.json`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ ETAS = (2, 0, 1, 4)
 CONCURRENCY = (32, 64, 128, 256)
 """Hand-set `rollout.max_concurrency` values of the generation-alone rows."""
 GOAL_POINTS = 40
+OVERRIDES = os.environ.get("E2E_GPU_OVERRIDES", "").split()
 
 
 def run(quick: bool = False) -> Result:
@@ -105,7 +108,7 @@ def measure_shape(shape: str, steps: int, tmp: Path, device: str, etas: list[int
         check = ["warmstart.check_tasks=256"] if eta == 2 else ["warmstart.check_tasks=0", "warmstart.min_success=0"]
         with sampling_gpu() as smi:
             s = run_training(CONFIG, name, tmp, [f"model.path={model}", f"rollout.max_staleness={eta}",
-                                                 f"train.steps={steps}", "data.eval_every=0", *check])
+                                                 f"train.steps={steps}", "data.eval_every=0", *check, *OVERRIDES])
         runs[name] = analyse(s, smi.samples, smi.memory) | {"eta": eta, "warmstart": s["warmstart"]}
         if eta == 2:
             runs[name]["success_before"] = s["success_before"]["sampled"]
