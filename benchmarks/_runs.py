@@ -15,13 +15,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_training(config: str, name: str, run_dir: Path, overrides: list[str]) -> dict[str, Any]:
-    """One `slime-async train` run as a process; its summary plus its eval rounds and step records."""
+    """One `slime-async train` run as a process; its summary plus its eval rounds and step records. Its
+    output goes to `run_dir/NAME.log` as it comes (a run cut off by a time limit leaves what it said)."""
     cmd = [sys.executable, "-m", "slime_async.cli", "train", str(REPO / config), "--overwrite",
            f"run.name={name}", f"run.dir={run_dir}", *overrides]
     print(f"  {name}: slime-async train {config} {' '.join(overrides)}", flush=True)
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    log = run_dir / f"{name}.log"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        done = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed; the end of {log}:\n{log.read_text()[-4000:]}")
     run = run_dir / name
     summary = json.loads((run / "summary.json").read_text())
     summary["records"] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
