@@ -90,6 +90,9 @@ def rollout(
     cfg = _load(config, overrides)
     if split not in ("train", "eval"):
         fail(f"--split: got {split!r}; expected 'train' or 'eval'")
+    if cfg.train.distilling:  # the teacher scores what the trainer is sent; nothing here trains
+        console.print("note: train.distill is a training setting: `slime-async rollout` asks no teacher, and "
+                      "its trajectories carry no teacher logprobs", highlight=False)
     if groups < 1:
         fail(f"--groups: got {groups}; expected at least 1")
     from slime_async.config.model_dir import resolve_model_path

@@ -163,7 +163,7 @@ def build_tokenizer(bpe_vocab_size: int, seed: int):  # -> transformers.PreTrain
     return wrapped
 
 
-def _build_model(spec: ModelSpec, tokenizer, seed: int, device: str = "cpu"):  # -> Qwen2ForCausalLM or Qwen3MoeForCausalLM
+def _build_model(spec: ModelSpec, tokenizer, seed: int, device: str = "cpu"):  # -> Qwen2 or Qwen3-MoE CausalLM
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 

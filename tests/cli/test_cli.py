@@ -98,10 +98,12 @@ def test_rollout_writes_trajectories(monkeypatch: pytest.MonkeyPatch, tiny_model
     monkeypatch.chdir(REPO)
     out = tmp_path / "t.jsonl"
     result = invoke("rollout", "configs/local.yaml", "--groups", "2", "--out", str(out), "rollout.group_size=3",
-                    "rollout.sampling.max_new_tokens=8")
+                    "rollout.sampling.max_new_tokens=8", "train.distill.model=tiny")
     assert result.exit_code == 0, result.output
     lines = out.read_bytes().splitlines()
-    assert len(lines) == 6 and f"wrote 6 trajectories to {out}" in " ".join(result.stdout.split())
+    said = " ".join(result.stdout.split())
+    assert len(lines) == 6 and f"wrote 6 trajectories to {out}" in said
+    assert "note: train.distill is a training setting: `slime-async rollout` asks no teacher" in said
     trajectories = [from_json(line, Trajectory) for line in lines]
     assert len({t.group_id for t in trajectories}) == 2
     assert all(t.env == "envs.calculator:CalculatorEnv" for t in trajectories)
