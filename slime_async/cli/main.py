@@ -166,6 +166,21 @@ def serve(
         serve_engine(engine, str(path), host=host, port=port, admin_token=admin_token)
     except (ValueError, OSError) as exc:
         fail(str(exc))
+    except Exception as exc:
+        from slime_async.types.oom import OUT_OF_MEMORY_EXIT, is_out_of_memory
+
+        if not is_out_of_memory(exc):
+            raise
+        # at start-up: the weights, the first cache, the CUDA graphs (one per batch-size bucket)
+        import torch
+
+        where = device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        context = f", --context-length {context_length}" if context_length else ""
+        print(f"error: engine: out of memory while starting on {where} ({path}, --max-batch-size {max_batch_size}, "
+              f"--dtype {dtype}{context}): lower engine.max_batch_size, use bfloat16, or leave the engine more of the "
+              f"device; {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr,
+              flush=True)
+        raise SystemExit(OUT_OF_MEMORY_EXIT) from None
 
 
 @app.command("init-model")

@@ -70,3 +70,59 @@ def test_a_shape_run_in_parts_says_what_is_not_run_yet() -> None:
     line = headline({"device": "gpu", "shapes": {"0.5b": d}})
     assert "async/lockstep not run at eta 2" in line and "+50.0 points (goal +40)" in line
     assert "adaptive" not in line
+
+
+def test_a_bench_stopped_by_sigterm_takes_its_training_run_with_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A device call's time limit sends SIGTERM: no part of the bench's `train` run may outlive it (on
+    the GPU machine an orphan keeps its memory)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("import sys; from pathlib import Path; from benchmarks._runs import run_training; "
+              f"run_training('configs/local.yaml', 'long', Path({str(tmp_path)!r}), "
+              f"['model.path={tiny_model_dir}', 'warmstart.enabled=false', 'warmstart.check_tasks=0', "
+              "'train.steps=100000', 'data.eval_every=0', 'log.dashboard=false'])")
+    bench = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2])
+
+    def descendants() -> set[int]:  # the bench's process tree, from /proc's parent ids
+        parents = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+        found, frontier = set(), {bench.pid}
+        while frontier:
+            frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+            found |= frontier
+        return found
+
+    tree: set[int] = set()
+    for _ in range(1200):  # bounded: until the launcher and its parts (buffer, engine, trainer, rollout) run
+        tree = descendants()
+        if len(tree) >= 5:
+            break
+        assert bench.poll() is None, "the bench ended by itself"
+        time.sleep(0.1)
+    assert len(tree) >= 5, tree
+
+    def alive() -> list[int]:  # of the tree, what still runs (a zombie has ended)
+        running = []
+        for pid in tree:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    running.append(pid)
+            except OSError:
+                continue
+        return running
+
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=120) == 128 + signal.SIGTERM
+    for _ in range(300):  # the parts follow their launcher (bounded)
+        if not alive():
+            break
+        time.sleep(0.1)
+    assert alive() == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in alive()]
