@@ -112,7 +112,8 @@ class EngineLoad:
     running: int
     """Decoding now (holding a batch slot)."""
     waiting: int
-    """Queued for a slot: the engine is saturated, and each one only waits."""
+    """Queued for the next batch: beside full slots the engine is saturated; beside free ones it is
+    pacing its prefills (a token budget per step)."""
     engines: int
     """Engines that answered."""
     capacity: int | None = None
