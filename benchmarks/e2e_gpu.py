@@ -9,7 +9,8 @@ engine alone on the warm-started weights, driven by `slime-async rollout` at han
 and with adaptive concurrency: the standalone generation rate and the adaptive comparison.
 
 Figures, per run, over its steady steps (after the first `WARMUP` steps, which pay for compiling):
-- trained samples/s and tokens/s, generated episodes/s and tokens/s (the rollout worker's books);
+- trained samples/s and tokens/s; generated episodes/s and tokens/s (the rollout worker's books, over
+  its whole life: its start and the trainer's first steps included, so below the steady rate);
 - the trainer's time split (waiting for data, building the batch, recomputing logprobs, training,
   publishing) from its metrics; GPU busy share from `nvidia-smi` sampled every 250 ms;
 - memory of each part (engine, trainer) from `nvidia-smi --query-compute-apps`.
@@ -74,6 +75,7 @@ def run(quick: bool = False) -> Result:
     details: dict[str, Any] = json.loads(out.read_text())["details"] if out.exists() else {}
     details.setdefault("shapes", {})
     details["device"] = torch.cuda.get_device_name()
+
     def save(shape: str, part: dict[str, Any]) -> None:
         """After each run: what was measured so far survives a device call cut off at its time limit."""
         details["shapes"][shape] = part
