@@ -26,6 +26,7 @@ import re
 import warnings
 from collections import Counter
 from collections.abc import Iterator
+from enum import StrEnum
 from fractions import Fraction
 from typing import Annotated
 
@@ -44,6 +45,19 @@ _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 class CountdownError(ValueError):
     """An expression the game does not allow; the message says why (it is what the model reads)."""
+
+
+class Verdict(StrEnum):
+    """What a final reply's answer is."""
+
+    SOLVED = "solved"
+    """Keeps the rules and equals the target."""
+    MISSED = "missed"
+    """Keeps the rules, another value."""
+    INVALID = "invalid"
+    """Breaks a rule (a number reused or not given, a fraction on the way, not arithmetic)."""
+    NONE = "none"
+    """No `<answer>` at all."""
 
 
 class CountdownArgs(EnvArgs):
@@ -107,7 +121,7 @@ class CountdownEnv(Env):
     def demonstration(cls, args: CountdownArgs, task: Task) -> list[str]:  # type: ignore[override]
         # the generator's own expression when it has one (a task of `tasks`); a dataset's task is solved
         solution = task.metadata.get("solution") or solve(
-            task.metadata["numbers"], int(task.answer), use_all=args.use_all, fractions=args.fractions)
+            puzzle_numbers(task), int(task.answer), use_all=args.use_all, fractions=args.fractions)
         if solution is None:
             raise ValueError(f"countdown task {task.id} has no solution: no demonstration")
         replies = []
@@ -132,12 +146,12 @@ class CountdownEnv(Env):
     def correct(self, completion: str, task: Task) -> float:
         """1 when the final reply's <answer> uses only the given numbers, each at most once (exactly
         once with `use_all`), and equals the target."""
-        return float(self._verdict(completion, task) == "solved")
+        return float(self.verdict(completion, task) is Verdict.SOLVED)
 
     @reward(inline=True)
     def well_formed(self, completion: str, task: Task) -> float:
         """`format_reward` when the answer is a valid expression over the given numbers, right or not."""
-        return self.args.format_reward if self._verdict(completion, task) in ("solved", "missed") else 0.0
+        return self.args.format_reward if self.verdict(completion, task) in _VALID else 0.0
 
     @metric(inline=True)
     def answered(self, completion: str) -> float:
@@ -147,19 +161,30 @@ class CountdownEnv(Env):
     @metric(inline=True)
     def valid_answer(self, completion: str, task: Task) -> float:
         """An answer that keeps the rules, right or not (`well_formed` without its weight)."""
-        return float(self._verdict(completion, task) in ("solved", "missed"))
+        return float(self.verdict(completion, task) in _VALID)
 
-    def _verdict(self, completion: str, task: Task) -> str:
-        """`solved`, `missed` (valid, another value), `invalid` (breaks a rule) or `none` (no answer)."""
+    def verdict(self, completion: str, task: Task) -> Verdict:
+        """What the last `<answer>` of `completion` is, under this env's rules."""
         expression = final_answer(completion)
         if expression is None:
-            return "none"
+            return Verdict.NONE
         try:
-            value = check(expression, task.metadata["numbers"], use_all=self.args.use_all,
-                          fractions=self.args.fractions)
+            value = check(expression, puzzle_numbers(task), use_all=self.args.use_all, fractions=self.args.fractions)
         except CountdownError:
-            return "invalid"
-        return "solved" if value == task.answer else "missed"
+            return Verdict.INVALID
+        return Verdict.SOLVED if value == int(task.answer) else Verdict.MISSED
+
+
+_VALID = (Verdict.SOLVED, Verdict.MISSED)
+
+
+def puzzle_numbers(task: Task) -> list[int]:
+    """The given numbers of a task (`metadata["numbers"]`; a dataset's rows must carry them there)."""
+    numbers = task.metadata.get("numbers")
+    if not isinstance(numbers, list) or not all(type(n) is int for n in numbers):
+        raise ValueError(f"countdown task {task.id}: metadata['numbers'] must be a list of whole numbers, "
+                         f"got {numbers!r}")
+    return numbers
 
 
 def final_answer(text: str) -> str | None:

@@ -182,3 +182,13 @@ def test_factory_builds_it_from_a_config() -> None:
     factory = EnvFactory.from_config("envs.countdown:CountdownEnv", {"num_numbers": 3, "num_eval": 3})
     assert isinstance(factory.new(), CountdownEnv) and len(list(factory.tasks("eval"))) == 3
     assert set(factory.cls.tools) == {"evaluate"} and set(factory.cls.rewards) == {"correct", "well_formed"}
+
+
+async def test_a_dataset_row_without_its_numbers_is_a_counted_reward_error(tokenizer: Any) -> None:
+    row = Task(id="row-7", prompt="make 80", answer="80", metadata={})
+    traj = await play(tokenizer, row, ["<answer>(25-5)*4</answer>"])
+    assert traj.reward == 0.0 and traj.metrics["reward_errors/correct"] == 1
+    assert "row-7: metadata['numbers'] must be a list of whole numbers, got None" in traj.errors["reward correct"]
+    # with its numbers, a label read from a file as text still compares as a number
+    row = Task(id="row-8", prompt="make 80", answer="80", metadata={"numbers": [25, 5, 4]})
+    assert (await play(tokenizer, row, ["<answer>(25-5)*4</answer>"])).rewards["correct"] == 1.0
