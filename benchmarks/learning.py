@@ -45,12 +45,15 @@ def learning(config: str, goal: float, quick: bool, what: str = "", overrides: l
             runs.append({k: v for k, v in s.items() if k != "records"} | {"curve": [
                 (r["version"], r["time"], r.get("reward_mean")) for r in s["records"]]})
     after_sampled = [r[3] for r in rows]
+    budget = f"{minutes:.0f} min of RL"
+    if any(o.startswith(("train.steps=", "train.time_limit_s=")) for o in overrides):  # the budget is theirs
+        budget = f"{sum(r[5] for r in rows) / len(rows):.0f} steps of RL ({sum(r[6] for r in rows) / len(rows):.0f} s)"
     mean = sum(after_sampled) / len(after_sampled)
     return Result(
         columns=["seed", "before sampled", "before greedy", "after sampled", "after greedy", "steps", "RL s",
                  f"s to {goal:.0%} (eval)"],
         rows=rows,
-        headline=f"{what}held-out sampled success after {minutes:.0f} min of RL: {mean:.1%} mean of {len(seeds)} "
-                 f"seeds (goal {goal:.0%})",
+        headline=f"{what}held-out sampled success after {budget}: {mean:.1%} mean of {len(seeds)} seeds "
+                 f"(goal {goal:.0%})",
         details={"runs": runs, "tasks": rows and runs[0]["success_after"]["tasks"], "overrides": overrides},
     )

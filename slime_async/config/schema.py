@@ -434,7 +434,10 @@ class TrainConfig(_Section):
     lists each recipe's defaults). `decoupled_ppo` clips against the proximal policy and weights each
     token by proximal/behaviour (capped); `ppo` has no behaviour correction. `sapo` (Qwen's Soft
     Adaptive Policy Optimization) replaces the clip by a smooth gate on the ratio (`sapo_tau_pos`,
-    `sapo_tau_neg`), with the same behaviour correction as `decoupled_ppo`."""
+    `sapo_tau_neg`), with the same behaviour correction as `decoupled_ppo`. A clip or a gate acts only
+    where the ratio leaves 1: with one optimizer step per batch the ratio to the proximal policy is
+    exactly 1, so they act with `steps_per_batch` > 1 or `proximal: behaviour` (the ratio to the
+    sampler's logprobs, up to `rollout.max_staleness` versions old)."""
     advantage: Literal["grpo", "grpo_no_std", "dr_grpo", "reinforce_pp"] | None = None
     """Override the recipe's advantage estimator: group-normalised with std (`grpo`), without std
     (`grpo_no_std`, same as `dr_grpo`), or REINFORCE++ with a group-mean baseline and batch whitening."""

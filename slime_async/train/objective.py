@@ -45,7 +45,7 @@ RECIPES: dict[str, Recipe] = {
     "dr_grpo": Recipe("ppo", "dr_grpo", "seq_mean_token_sum_norm", 0.2, 0.2, True),
     "gspo": Recipe("gspo", "grpo", "seq_mean_token_mean", 3e-4, 4e-4, True),
     "cispo": Recipe("cispo", "grpo", "token_mean", 1.0, 5.0, True),
-    # the paper's objective: GRPO's advantages and its sequence-then-group mean; no clip
+    # SAPO changes only the per-token term: GRPO's advantages and aggregation, as `grpo`; no clip
     "sapo": Recipe("sapo", "grpo", "seq_mean_token_mean", 0.0, 0.0, True),
     "ppo": Recipe("ppo", "grpo", "token_mean", 0.2, 0.2, False),
     "decoupled_ppo": Recipe("ppo", "grpo", "token_mean", 0.2, 0.2, True),
