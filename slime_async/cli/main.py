@@ -246,11 +246,15 @@ def _describe_model(path: Path) -> dict[str, Any]:
 @clear_errors
 def bench(
     name: Annotated[str | None, typer.Argument(help="Benchmark to run.", show_default=False)] = None,
+    overrides: Annotated[list[str] | None, typer.Argument(
+        help="key.sub=value overrides of the config a training benchmark runs (learning: configs/local.yaml).",
+        show_default=False)] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the benchmarks.")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="A shorter run (fewer repeats), for smoke tests.")] = False,
 ) -> None:
-    """Run a benchmark: prints a table, writes benchmarks/results/NAME.json, ends with its headline."""
-    from benchmarks import available, run_benchmark
+    """Run a benchmark: prints a table, writes benchmarks/results/NAME.json, ends with its headline.
+    Overrides (`slime-async bench learning train.loss=sapo`) write NAME+key=value.json instead."""
+    from benchmarks import REPO_DIR, available, config_of, run_benchmark
 
     names = available()
     if list_ or name is None:
@@ -261,7 +265,13 @@ def bench(
         return
     if name not in names:
         fail(f"unknown benchmark {name!r}; available: {', '.join(names)} (see `slime-async bench --list`)")
-    run_benchmark(name, quick=quick, console=console)
+    if overrides:
+        config = config_of(name)
+        if config is None:
+            fail(f"benchmark {name} takes no config overrides (those that do: "
+                 f"{', '.join(n for n in names if config_of(n))})")
+        load_config(REPO_DIR / config, overrides)  # a bad key fails here, in one line, before any run
+    run_benchmark(name, quick=quick, console=console, overrides=overrides)
 
 
 @app.command()
