@@ -105,23 +105,30 @@ def measure_shape(shape: str, steps: int, tmp: Path, device: str, etas: list[int
     if not (model / "config.json").is_file():  # an earlier call on this machine made it
         make_model(model, PRESETS[shape], device="cuda")
     made_s = time.monotonic() - began
+    failed: dict[str, str] = {}
     for eta in etas:
         name = f"{shape}-eta{eta}"
         check = ["warmstart.check_tasks=256"] if eta == 2 else ["warmstart.check_tasks=0", "warmstart.min_success=0"]
         with sampling_gpu() as smi:
-            s = run_training(CONFIG, name, tmp, [f"model.path={model}", f"rollout.max_staleness={eta}",
-                                                 f"train.steps={steps}", "data.eval_every=0", *check, *OVERRIDES])
+            try:
+                s = run_training(CONFIG, name, tmp, [f"model.path={model}", f"rollout.max_staleness={eta}",
+                                                     f"train.steps={steps}", "data.eval_every=0", *check, *OVERRIDES])
+            except RuntimeError as exc:  # a run that failed (out of memory, say): its end is kept, the others run
+                failed[name] = str(exc)[-3000:]
+                print(f"  {name} failed:\n{failed[name]}", flush=True)
+                save(summarise(shape, runs, generation or [], made_s, device) | {"failed": failed})
+                continue
         runs[name] = analyse(s, smi.samples, smi.memory) | {"eta": eta, "warmstart": s["warmstart"]}
         if eta == 2:
             runs[name]["success_before"] = s["success_before"]["sampled"]
             runs[name]["success_after"] = s["success_after"]["sampled"]
-        save(summarise(shape, runs, generation or [], made_s, device))
-    if with_generation:  # on the warm-started weights (of this machine: an earlier call's may be gone)
-        warm = next(Path(r["warmstart"]["path"]) for r in reversed(runs.values())
-                    if Path(r["warmstart"]["path"]).is_dir())
+        save(summarise(shape, runs, generation or [], made_s, device) | {"failed": failed})
+    warm = next((Path(r["warmstart"]["path"]) for r in reversed(runs.values())
+                 if Path(r["warmstart"]["path"]).is_dir()), None)
+    if with_generation and warm is not None:  # on the warm-started weights (an earlier call's may be gone)
         (tmp / f"gen-{shape}").mkdir(parents=True, exist_ok=True)
         generation = generation_alone(warm, tmp / f"gen-{shape}")
-    return summarise(shape, runs, generation or [], made_s, device)
+    return summarise(shape, runs, generation or [], made_s, device) | {"failed": failed}
 
 
 # --- one training run ------------------------------------------------------------------------------
@@ -329,6 +336,8 @@ def headline(details: dict[str, Any]) -> str:
                      f"({gain:+.1f} points{goal})")
         if d["adaptive_vs_best"] is not None:
             line += f", adaptive concurrency {d['adaptive_vs_best']:.2f}x the best hand-set ({d['best_hand_set']})"
+        if d.get("failed"):
+            line += f", failed: {', '.join(d['failed'])}"
         parts.append(line)
     return f"on {details['device']}: " + "; ".join(parts)
 

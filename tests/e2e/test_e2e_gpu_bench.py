@@ -64,11 +64,12 @@ def test_a_shape_run_in_parts_says_what_is_not_run_yet() -> None:
     eta2 = {"eta": 2, "steps": 24, "steady_s": 10.0, "samples_per_s": 50.0, "generated_tokens_per_s": 5000.0,
             "kept_fraction": 0.5, "gpu_busy": None, "success_before": 0.3, "success_after": 0.8,
             "split_s": {"wait_s": 6.0, "batch_s": 0.1, "recompute_s": 0.1, "train_s": 3.0, "publish_s": 0.8}}
-    d = summarise("0.5b", {"0.5b-eta2": eta2}, [], 1.0, "gpu")
+    d = summarise("0.5b", {"0.5b-eta2": eta2}, [], 1.0, "gpu") | {"failed": {"0.5b-eta0": "out of memory"}}
     assert d["runs"]["0.5b-eta2"]["vs_lockstep"] is None and d["runs"]["0.5b-eta2"]["of_bound"] is None
     assert d["adaptive_vs_best"] is None and d["rows"][0][-2:] == ["-", "-"]
     line = headline({"device": "gpu", "shapes": {"0.5b": d}})
     assert "async/lockstep not run at eta 2" in line and "+50.0 points (goal +40)" in line
+    assert line.endswith("failed: 0.5b-eta0")
     assert "adaptive" not in line
 
 
