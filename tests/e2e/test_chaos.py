@@ -60,10 +60,13 @@ def test_every_part_killed_then_resumed_trains_each_trajectory_once(tmp_path: Pa
         while steps_done(metrics) < schedule[-1] + 3:
             assert proc.poll() is None and time.monotonic() < deadline, "the run stopped after the kills"
             time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGKILL)  # the launcher: its children die with it
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher: no shutdown code runs in it; its children die with it
         proc.wait()
+        # far more than a signalled process needs to exit; less than the >= 10 s that an orphaned
+        # trainer ending gracefully spends waiting for a batch from the dead buffer (the buffer's
+        # command line names its WAL, the others the run's config)
         deadline = time.monotonic() + 10
-        while left := processes_mentioning(str(run / "config.yaml")):
+        while left := processes_mentioning(str(run / "config.yaml")) + processes_mentioning(str(run / "buffer-wal")):
             assert time.monotonic() < deadline, f"children outlived their launcher: {command_lines(left)}"
             time.sleep(0.2)
     finally:

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 def test_a_run_distills_from_a_teacher_engine_it_starts(tmp_path: Path, varied_model_dir: Path) -> None:
     done = subprocess.run(train_command(tmp_path, "train.steps=3", f"train.distill.model={varied_model_dir}",
-                                        "train.distill.task_reward=false", "rollout.filter_equal_rewards=true"),
+                                        "train.distill.task_reward=false", "rollout.filter_equal_rewards=true",
+                                        "warmstart.check_tasks=0"),  # the success checks: not asserted here
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = tmp_path / "local"

@@ -35,8 +35,11 @@ def test_vllm_serves_a_run_takes_every_weight_update_and_a_killed_one_is_replace
     # the engine's logprobs equal the trainer's recomputed ones iff every update reached vLLM, the
     # replacement of a killed one included (it starts from the checkpoint's weights and is brought up
     # to date before it samples)
+    # eager: vLLM's graph capture (the config's default) costs 20-50 s at each of the two starts here;
+    # tests/vllm keeps it, and shows that an in-place reload reaches the captured graph
     proc = start_training(train_command(tmp_path, "train.steps=6", "rollout.max_staleness=0",
-                                        "vllm.args.max_model_len=512", config="configs/local_vllm.yaml"))
+                                        "vllm.args.max_model_len=512", "vllm.args.enforce_eager=true",
+                                        config="configs/local_vllm.yaml"))
     run = tmp_path / "local_vllm"
     metrics_path = run / "metrics.jsonl"
     try:

@@ -96,8 +96,10 @@ def test_embedded_default_runs_with_every_part_a_ray_actor(cluster: None, tmp_pa
 def test_a_vllm_engine_runs_as_a_ray_actor(cluster: None, tmp_path: Path) -> None:
     from slime_async.launch.train_run import train
 
+    # eager: vLLM's graph capture (the config's default, kept by tests/vllm) costs 20-50 s a start
     cfg = load_config(REPO / "configs/local_vllm.yaml", [*SMALL, f"run.dir={tmp_path}", "train.steps=3",
-                                                          "vllm.args.max_model_len=512", "rollout.max_staleness=0"])
+                                                          "vllm.args.max_model_len=512", "vllm.args.enforce_eager=true",
+                                                          "rollout.max_staleness=0"])
     summary = train(cfg, overwrite=True, console=Console(file=io.StringIO()), ray="")
     run = tmp_path / "local_vllm"
     records = metrics(run)

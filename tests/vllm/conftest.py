@@ -31,6 +31,8 @@ def vllm_model_dir(varied_model_dir: Path, tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="module")
 def vllm_server(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    # as configs/local_vllm.yaml has it, graph capture included (the e2e and Ray runs start vLLM eager):
+    # the in-place reloads here reach a captured graph
     cfg = vllm_config()
     port = free_port("127.0.0.1")
     argv = vllm_argv(cfg, model_path=str(vllm_model_dir), host="127.0.0.1", port=port, index=0)
