@@ -3,6 +3,10 @@
 Each module here that defines `DESCRIPTION` and `run(quick) -> Result` is a benchmark. Running
 one prints its table, writes `benchmarks/results/NAME.json` and ends with its headline figure
 against the goal its issue names.
+
+A benchmark that trains one config may name it in `OVERRIDES_OF` (its path); it then takes overrides of
+that config (`slime-async bench learning train.loss=sapo`), as `run(quick, overrides)`, and writes
+its results beside the plain run's, under a name that carries them (`learning+train.loss=sapo.json`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import os
 import pkgutil
 import platform
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 RESULTS_DIR = Path(__file__).with_name("results")
+REPO_DIR = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -47,11 +53,31 @@ def available() -> dict[str, str]:
     return out
 
 
-def run_benchmark(name: str, quick: bool = False, console: Console | None = None) -> Result:
+def config_of(name: str) -> str | None:
+    """The config a benchmark trains, whose overrides it takes (`OVERRIDES_OF`); None: it takes none."""
+    return getattr(importlib.import_module(f"benchmarks.{name}"), "OVERRIDES_OF", None)
+
+
+def results_path(name: str, overrides: list[str] | None = None) -> Path:
+    """Where a run's record goes: `NAME.json`, or with overrides `NAME+key=value+....json` (the plain
+    run's record is kept)."""
+    tag = "".join("+" + re.sub(r"[^A-Za-z0-9._=-]", "_", o) for o in overrides or [])
+    return RESULTS_DIR / f"{name}{tag}.json"
+
+
+def run_benchmark(name: str, quick: bool = False, console: Console | None = None,
+                  overrides: list[str] | None = None) -> Result:
+    """Run one benchmark, print its table and headline, write its record. `overrides` (key=value) go to
+    the config of a benchmark that has `OVERRIDES_OF`; others refuse them."""
     console = console or Console()
     module = importlib.import_module(f"benchmarks.{name}")
-    console.print(f"[bold]{name}[/]: {module.DESCRIPTION}{' (quick)' if quick else ''}")
-    result: Result = module.run(quick=quick)
+    overrides = list(overrides or [])
+    if overrides and not hasattr(module, "OVERRIDES_OF"):
+        raise ValueError(f"benchmark {name} takes no config overrides (those that do: "
+                         f"{', '.join(n for n in available() if config_of(n))})")
+    console.print(f"[bold]{name}[/]: {module.DESCRIPTION}{' (quick)' if quick else ''}"
+                  f"{' with ' + ' '.join(overrides) if overrides else ''}")
+    result: Result = module.run(quick=quick, overrides=overrides) if overrides else module.run(quick=quick)
     table = Table(title=name)
     labels = [_fmt(row[0]) for row in result.rows if row]
     for i, column in enumerate(result.columns):
@@ -61,10 +87,11 @@ def run_benchmark(name: str, quick: bool = False, console: Console | None = None
         table.add_row(*(_fmt(v) for v in row))
     console.print(table)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    out = RESULTS_DIR / f"{name}.json"
+    out = results_path(name, overrides)
     record = {
         "benchmark": name,
         "quick": quick,
+        "overrides": overrides,
         "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": _machine(),
         "columns": result.columns,

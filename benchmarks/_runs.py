@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +17,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_training(config: str, name: str, run_dir: Path, overrides: list[str]) -> dict[str, Any]:
-    """One `slime-async train` run as a process; its summary plus its eval rounds and step records."""
+    """One `slime-async train` run as a process; its summary plus its eval rounds and step records. Its
+    output goes to `run_dir/NAME.log` as it comes (a run cut off by a time limit leaves what it said)."""
     cmd = [sys.executable, "-m", "slime_async.cli", "train", str(REPO / config), "--overwrite",
            f"run.name={name}", f"run.dir={run_dir}", *overrides]
     print(f"  {name}: slime-async train {config} {' '.join(overrides)}", flush=True)
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    log = run_dir / f"{name}.log"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # a bench stopped by SIGTERM (a time limit) takes its run with it: as an exception, subprocess.run
+    # kills the launcher, whose parts die with it; the default action would leave them running on the GPU
+    previous = signal.signal(signal.SIGTERM, _raise_exit) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        with log.open("w") as out:
+            done = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed; the end of {log}:\n{log.read_text()[-4000:]}")
     run = run_dir / name
     summary = json.loads((run / "summary.json").read_text())
     summary["records"] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -29,6 +43,10 @@ def run_training(config: str, name: str, run_dir: Path, overrides: list[str]) ->
     print(f"  {name}: {summary['steps']} steps, RL {summary['rl_s']:.0f} s, success after "
           f"{after.get('sampled', float('nan')):.1%} sampled", flush=True)
     return summary
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def crossing_s(summary: dict[str, Any], key: str, goal: float) -> float | None:

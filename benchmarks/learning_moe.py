@@ -8,7 +8,8 @@ from benchmarks.learning import learning
 
 DESCRIPTION = "tiny-moe (Qwen3-MoE, routing replay): held-out success after 8 min of async RL, 3 seeds (goal >= 80%)"
 GOAL = 0.80
+OVERRIDES_OF = "configs/local_moe.yaml"
 
 
-def run(quick: bool = False) -> Result:
-    return learning("configs/local_moe.yaml", GOAL, quick, what="tiny-moe: ")
+def run(quick: bool = False, overrides: list[str] | None = None) -> Result:
+    return learning(OVERRIDES_OF, GOAL, quick, what="tiny-moe: ", overrides=overrides)

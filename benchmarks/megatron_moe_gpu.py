@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -300,11 +303,17 @@ def _add(rows: list, row: list) -> None:
     print("row:", row, flush=True)
 
 
+PHASES = ("grouped", "sequential", "dense", "engine")
+"""Each in its own process: Megatron keeps global state (parallel groups, buffers) that holds GPU memory
+after its backend is dropped, and an H100 holds one 4-layer MoE with its optimizer state, not two (the
+SequentialMLP and dense rows ran out of memory in one process after the grouped one)."""
+_CONSTANTS = ("DEVICE", "TRAIN_DTYPE", "SEQ", "SEQUENCES", "LAYERS", "SHAPE", "CONCURRENCY", "PROMPT", "DECODE_STEPS")
+"""The module constants a phase's process takes from its parent (the CPU test shrinks them)."""
+
+
 def run(quick: bool = False) -> Result:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("megatron_moe_gpu needs a CUDA GPU")
-    from benchmarks.megatron_gpu import _batch
-
     layers = LAYERS or layers_that_fit(torch.cuda.get_device_properties(0).total_memory)
     rows: list[list[Any]] = []
     details: dict[str, Any] = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
@@ -320,42 +329,78 @@ def run(quick: bool = False) -> Result:
         details["params"] = _make_model(moe_dir, layers)
         details["dense_params"] = _make_model(dense_dir, layers, dense=True)
         details["make_model_s"] = time.perf_counter() - began
-        batch = _batch(SEQUENCES, SEQ, SHAPE["vocab_size"])
-        moe_flops, dense_flops = train_flops(SEQ, SEQUENCES, layers), train_flops(SEQ, SEQUENCES, layers, dense=True)
-        replayed = _replayed(batch, layers)
-
-        # one backend at a time: an H100 holds one 4-layer MoE with its optimizer state, not two
-        def grouped() -> None:
-            be = _backend(moe_dir)
-            details["build_s"] = time.perf_counter() - began - details["make_model_s"]
-            details["grouped_kernel"] = _kernel(be)
-            print("grouped experts run", details["grouped_kernel"], flush=True)
-            _train_rows(be, [("routed by the model", batch), ("routing replay", replayed)], moe_flops, steps, rows,
-                        details)
-            _profile(be, batch, rows, details)
-
-        def sequential() -> None:
-            _train_rows(_backend(moe_dir, grouped=False), [("SequentialMLP, routed by the model", batch)], moe_flops,
-                        1, rows, details)
-
-        def dense() -> None:
-            _train_rows(_backend(dense_dir), [("dense, same active parameters", batch)], dense_flops, steps, rows,
-                        details)
-
-        for name, phase in (("grouped", grouped), ("sequential", sequential), ("dense", dense)):
-            try:
-                phase()
-            except Exception:  # a backend that cannot be built: said, and the other phases still run
-                details["errors"][name] = traceback.format_exc()
-                print(details["errors"][name], flush=True)
-                _add(rows, ["train step", name, "failed", "", "", "", "", traceback.format_exc(limit=1)[-200:]])
-            _free()
-        _engine_rows(moe_dir, dense_dir, rows, details)
+        _free()
+        for name in PHASES:
+            _phase_in_process(name, Path(tmp), layers, steps, rows, details)
     details["seconds"] = time.perf_counter() - began
     return Result(
         columns=["what", "config", "tok/s", "TFLOP/s (active)", "MFU %", "ms", "peak GB", "note"],
         rows=rows, headline=_headline(layers, details), details=details,
     )
+
+
+def _phase_in_process(name: str, tmp: Path, layers: int, steps: int, rows: list, details: dict) -> None:
+    """Run phase `name` in a process of its own (`python -m benchmarks.megatron_moe_gpu PHASE_FILE`) and
+    merge its rows and figures; one that dies is a row and an error, and the next phase still runs."""
+    spec = tmp / f"{name}.json"
+    spec.write_text(json.dumps({"phase": name, "dir": str(tmp), "layers": layers, "steps": steps,
+                                "constants": {k: globals()[k] for k in _CONSTANTS}}))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.megatron_moe_gpu", str(spec)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+    out = spec.with_suffix(".out.json")
+    if done.returncode != 0 or not out.exists():
+        details["errors"][name] = f"exit {done.returncode}: {(done.stdout + done.stderr)[-3000:]}"
+        print(details["errors"][name], flush=True)
+        _add(rows, ["phase", name, "failed", "", "", "", "", f"exit {done.returncode}"])
+        return
+    part = json.loads(out.read_text())
+    rows += part["rows"]
+    for key, value in part["details"].items():
+        if isinstance(value, dict) and isinstance(details.get(key), dict):
+            details[key].update(value)
+        else:
+            details[key] = value
+
+
+def _phase(name: str, tmp: Path, layers: int, steps: int) -> tuple[list, dict]:
+    """One phase, in this (its own) process: its rows and figures."""
+    from benchmarks.megatron_gpu import _batch
+
+    rows: list[list[Any]] = []
+    details: dict[str, Any] = {"train": {}, "decode": {}, "errors": {}}
+    moe_dir, dense_dir = tmp / "moe", tmp / "dense"
+    batch = _batch(SEQUENCES, SEQ, SHAPE["vocab_size"])
+    moe_flops, dense_flops = train_flops(SEQ, SEQUENCES, layers), train_flops(SEQ, SEQUENCES, layers, dense=True)
+    try:
+        if name == "grouped":
+            began = time.perf_counter()
+            be = _backend(moe_dir)
+            details["build_s"] = time.perf_counter() - began
+            details["grouped_kernel"] = _kernel(be)
+            print("grouped experts run", details["grouped_kernel"], flush=True)
+            _train_rows(be, [("routed by the model", batch), ("routing replay", _replayed(batch, layers))], moe_flops,
+                        steps, rows, details)
+            _profile(be, batch, rows, details)
+        elif name == "sequential":
+            _train_rows(_backend(moe_dir, grouped=False), [("SequentialMLP, routed by the model", batch)], moe_flops,
+                        1, rows, details)
+        elif name == "dense":
+            _train_rows(_backend(dense_dir), [("dense, same active parameters", batch)], dense_flops, steps, rows,
+                        details)
+        else:
+            _engine_rows(moe_dir, dense_dir, rows, details)
+    except Exception:  # a backend that cannot be built: said, and the other phases still run
+        details["errors"][name] = traceback.format_exc()
+        print(details["errors"][name], flush=True)
+        _add(rows, ["train step", name, "failed", "", "", "", "", traceback.format_exc(limit=1)[-200:]])
+    return rows, details
+
+
+def _phase_main(spec_path: Path) -> None:
+    spec = json.loads(spec_path.read_text())
+    globals().update(spec["constants"])  # the parent's constants (the CPU test shrinks them)
+    rows, details = _phase(spec["phase"], Path(spec["dir"]), spec["layers"], spec["steps"])
+    spec_path.with_suffix(".out.json").write_text(json.dumps({"rows": rows, "details": details}, default=float))
 
 
 def _headline(layers: int, details: dict[str, Any]) -> str:
@@ -373,3 +418,7 @@ def _headline(layers: int, details: dict[str, Any]) -> str:
             f"{moe.get('tok_s', nan) / seq.get('tok_s', nan):.1f}x SequentialMLP; tokens/s x active parameters "
             f"MoE/dense {per_param:.2f}x (goal >= 0.7x); engine decode at {CONCURRENCY} requests MoE/dense "
             f"{moe_decode / dense_decode:.2f}x tokens/s (the faster step of each; goal >= 0.5x: within 2x)")
+
+
+if __name__ == "__main__":  # one phase in its own process (`_phase_in_process`)
+    _phase_main(Path(sys.argv[1]))

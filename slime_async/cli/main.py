@@ -90,6 +90,9 @@ def rollout(
     cfg = _load(config, overrides)
     if split not in ("train", "eval"):
         fail(f"--split: got {split!r}; expected 'train' or 'eval'")
+    if cfg.train.distilling:  # the teacher scores what the trainer is sent; nothing here trains
+        console.print("note: train.distill is a training setting: `slime-async rollout` asks no teacher, and "
+                      "its trajectories carry no teacher logprobs", highlight=False)
     if groups < 1:
         fail(f"--groups: got {groups}; expected at least 1")
     from slime_async.config.model_dir import resolve_model_path
@@ -163,6 +166,21 @@ def serve(
         serve_engine(engine, str(path), host=host, port=port, admin_token=admin_token)
     except (ValueError, OSError) as exc:
         fail(str(exc))
+    except Exception as exc:
+        from slime_async.types.oom import OUT_OF_MEMORY_EXIT, is_out_of_memory
+
+        if not is_out_of_memory(exc):
+            raise
+        # at start-up: the weights, the first cache, the CUDA graphs (one per batch-size bucket)
+        import torch
+
+        where = device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        context = f", --context-length {context_length}" if context_length else ""
+        print(f"error: engine: out of memory while starting on {where} ({path}, --max-batch-size {max_batch_size}, "
+              f"--dtype {dtype}{context}): lower engine.max_batch_size, use bfloat16, or leave the engine more of the "
+              f"device; {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr,
+              flush=True)
+        raise SystemExit(OUT_OF_MEMORY_EXIT) from None
 
 
 @app.command("init-model")
@@ -228,11 +246,15 @@ def _describe_model(path: Path) -> dict[str, Any]:
 @clear_errors
 def bench(
     name: Annotated[str | None, typer.Argument(help="Benchmark to run.", show_default=False)] = None,
+    overrides: Annotated[list[str] | None, typer.Argument(
+        help="key.sub=value overrides of the config a training benchmark runs (learning: configs/local.yaml).",
+        show_default=False)] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the benchmarks.")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="A shorter run (fewer repeats), for smoke tests.")] = False,
 ) -> None:
-    """Run a benchmark: prints a table, writes benchmarks/results/NAME.json, ends with its headline."""
-    from benchmarks import available, run_benchmark
+    """Run a benchmark: prints a table, writes benchmarks/results/NAME.json, ends with its headline.
+    Overrides (`slime-async bench learning train.loss=sapo`) write NAME+key=value.json instead."""
+    from benchmarks import REPO_DIR, available, config_of, run_benchmark
 
     names = available()
     if list_ or name is None:
@@ -243,7 +265,13 @@ def bench(
         return
     if name not in names:
         fail(f"unknown benchmark {name!r}; available: {', '.join(names)} (see `slime-async bench --list`)")
-    run_benchmark(name, quick=quick, console=console)
+    if overrides:
+        config = config_of(name)
+        if config is None:
+            fail(f"benchmark {name} takes no config overrides (those that do: "
+                 f"{', '.join(n for n in names if config_of(n))})")
+        load_config(REPO_DIR / config, overrides)  # a bad key fails here, in one line, before any run
+    run_benchmark(name, quick=quick, console=console, overrides=overrides)
 
 
 @app.command()

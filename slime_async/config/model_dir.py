@@ -76,8 +76,9 @@ def load_tokenizer(path: str | Path, field: str = "model.path") -> Any:
 def check_teacher(student: str | Path, teacher: str | Path, field: str = "train.distill.model") -> Path:
     """The teacher's model directory, if its tokenizer is the student's: distillation compares the two
     models' logprobs of the same token ids, which mean the same text only under one tokenizer. A
-    ConfigError (one line naming `field`) otherwise."""
-    path = check_model_dir(teacher, field)
+    ConfigError (one line naming `field`) otherwise. `tiny` (a preset) means its cached directory, as
+    for `model.path` and `slime-async serve`."""
+    path = resolve_model_path(str(teacher), field)
     ours, theirs = load_tokenizer(student), load_tokenizer(path, field)
     a, b = ours.get_vocab(), theirs.get_vocab()
     if a != b or ours.all_special_tokens != theirs.all_special_tokens:

@@ -252,7 +252,13 @@ class RolloutConfig(_Section):
     """Bound eta: a trajectory's tokens are at most this many versions older than the trainer.
     0 is synchronous on-policy."""
     max_concurrency: PositiveInt = 256
-    """Most episodes in flight per rollout worker."""
+    """Most episodes in flight (split evenly over the rollout workers); with `adaptive_concurrency`,
+    the ceiling of the adaptive limit."""
+    adaptive_concurrency: bool = False
+    """Size the episodes in flight from the engines' own load instead (SGLang's `/v1/loads`, vLLM's
+    `/metrics`: requests running and waiting): grow while no request waits for a batch slot, shrink
+    while a queue builds (`slime_async/rollout/concurrency.py` has the rule). The engines stay saturated
+    without a hand-set number, and requests do not queue inside them (longer turns, staler tokens)."""
     num_workers: PositiveInt = 1
     """Rollout worker processes (one asyncio loop each)."""
     partial_mode: Literal["in_place", "abort"] = "in_place"
@@ -429,10 +435,15 @@ class TrainConfig(_Section):
     lr: PositiveFloat = 1e-4
     lr_warmup_steps: NonNegativeInt = 0
     """Optimizer steps of linear learning-rate warm-up from lr/lr_warmup_steps to lr (0: none)."""
-    loss: Literal["grpo", "dr_grpo", "gspo", "cispo", "ppo", "decoupled_ppo"] = "decoupled_ppo"
+    loss: Literal["grpo", "dr_grpo", "gspo", "cispo", "sapo", "ppo", "decoupled_ppo"] = "decoupled_ppo"
     """The recipe: policy loss, advantage estimator and aggregation together (`train.objective`
     lists each recipe's defaults). `decoupled_ppo` clips against the proximal policy and weights each
-    token by proximal/behaviour (capped); `ppo` has no behaviour correction."""
+    token by proximal/behaviour (capped); `ppo` has no behaviour correction. `sapo` (Qwen's Soft
+    Adaptive Policy Optimization) replaces the clip by a smooth gate on the ratio (`sapo_tau_pos`,
+    `sapo_tau_neg`), with the same behaviour correction as `decoupled_ppo`. A clip or a gate acts only
+    where the ratio leaves 1: with one optimizer step per batch the ratio to the proximal policy is
+    exactly 1, so they act with `steps_per_batch` > 1 or `proximal: behaviour` (the ratio to the
+    sampler's logprobs, up to `rollout.max_staleness` versions old)."""
     advantage: Literal["grpo", "grpo_no_std", "dr_grpo", "reinforce_pp"] | None = None
     """Override the recipe's advantage estimator: group-normalised with std (`grpo`), without std
     (`grpo_no_std`, same as `dr_grpo`), or REINFORCE++ with a group-mean baseline and batch whitening."""
@@ -442,7 +453,7 @@ class TrainConfig(_Section):
     tensors; a value per sequence is spread over its trained tokens). Once per batch, on the CPU."""
     policy_loss_fn: str | None = None
     """Your own policy loss, `module:function` (slime's `--custom-loss-function-path`), replacing the
-    recipe's PPO/GSPO/CISPO term: `fn(logp, prox, advantages, mask, clip_low, clip_high) -> [N, T]`
+    recipe's PPO/GSPO/CISPO/SAPO term: `fn(logp, prox, advantages, mask, clip_low, clip_high) -> [N, T]`
     per-token loss (or an object with `.loss` and `.clipped`), on the trainer's device and differentiable
     in `logp`; the behaviour correction, aggregation, KL and entropy terms apply to it as to the recipe's."""
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "group_mean"] | None = None
@@ -457,6 +468,14 @@ class TrainConfig(_Section):
     CISPO 5.0, its only bound)."""
     dual_clip: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
     """Dual-clip constant c > 1: the loss of a negative-advantage token is at most -c * A. None disables."""
+    sapo_tau_pos: PositiveFloat = 1.0
+    """`sapo`'s gate temperature on tokens with a positive advantage: the gate weighs a token's gradient
+    1 at ratio 1 and 1/2 where the ratio is 1.76 / tau away from 1 (the paper's default 1.0: at 2.76).
+    Larger: a narrower trust region. Only `sapo` reads it."""
+    sapo_tau_neg: PositiveFloat = 1.05
+    """`sapo`'s gate temperature on tokens with a zero or negative advantage; the paper keeps it above
+    `sapo_tau_pos` (1.05), so that negative updates, which spread over the vocabulary, fade sooner.
+    Only `sapo` reads it."""
     proximal: Literal["recompute", "behaviour"] = "recompute"
     """Proximal logprobs (the PPO anchor): the trainer's own before the step, or the engine's
     behaviour logprobs taken as they are (then the behaviour correction is 1). `recompute` with one
@@ -534,6 +553,13 @@ class TrainConfig(_Section):
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of every weight (`{}` for the defaults); null: full fine-tuning.
     The torch backend only: the megatron backend refuses it."""
+
+    def __post_init__(self) -> None:
+        if self.loss == "sapo" and self.policy_loss_fn is None:
+            for name in ("clip_low", "clip_high", "dual_clip"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: the sapo recipe has no clip (its gate's width is sapo_tau_pos and "
+                                     f"sapo_tau_neg); leave {name} out")
 
     @property
     def distilling(self) -> bool:

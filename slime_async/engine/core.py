@@ -30,6 +30,7 @@ from slime_async.engine.protocol import SamplingParams
 from slime_async.engine.sampling import sample
 from slime_async.engine.weights import InPlaceCopier
 from slime_async.moe.hf_layout import checkpoint_views
+from slime_async.types.oom import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +123,18 @@ class Engine:
         self.generated_tokens = 0
         self.finished = 0
         self.aborted = 0
+        self.busy_s = 0.0
+        """Seconds the loop spent admitting and decoding (work in hand): with wall-clock time, the share
+        of it the engine generated, for a run's time split (`/server_info`)."""
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
         self.errors = 0
         """Steps that failed (their requests were aborted with the error; the loop went on)."""
+        self.fatal: str | None = None
+        """Why the loop stopped for good (it ran out of memory: a retry would too); None while it runs."""
+        self.on_fatal: Callable[[str], None] | None = None
+        """Called (on the engine thread) when the loop stops for good: the server exits with it."""
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -162,17 +170,40 @@ class Engine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            began = time.perf_counter()
             try:
                 self._admit()
                 if self.running:
                     self._decode()
             except Exception as exc:  # no request may stop the loop: what it held is aborted, it goes on
+                if is_out_of_memory(exc):  # ... except memory: every next step would fail the same way
+                    self._stop_for_memory(exc)
+                    return
                 log.exception("engine step failed; aborting the %d requests it held", len(self.running) +
                               len(self.waiting))
                 for seq in [*self.running, *self.waiting]:
                     self._finish(seq, abort_reason(f"engine error: {exc!r}"))
                 self.waiting.clear()
                 self.errors += 1
+            finally:
+                self.busy_s += time.perf_counter() - began
+
+    def _stop_for_memory(self, exc: BaseException) -> None:
+        """Out of memory in a step: abort what is held with the reason, and stop the loop for good."""
+        self.fatal = (
+            f"engine: out of memory in a generation step on {self.slots.device.type} with {len(self.running)} "
+            f"requests running and {len(self.waiting)} waiting (engine.max_batch_size {self.max_batch_size}, its "
+            f"cache {self.slots.capacity} positions a slot of at most {self.context_length}): lower "
+            f"engine.max_batch_size, or leave the engine more of the device (a trainer on the same GPU holds "
+            f"the rest); {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        log.error("%s", self.fatal)
+        held = [*self.running, *self.waiting]
+        self.running.clear()  # first: their slots are not compacted (a copy on a device out of memory)
+        self.waiting.clear()
+        for seq in held:
+            self._finish(seq, abort_reason(self.fatal))
+        if self.on_fatal is not None:
+            self.on_fatal(self.fatal)
 
     def _run_commands(self) -> None:
         while True:

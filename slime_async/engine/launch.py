@@ -13,6 +13,7 @@ from aiohttp import web
 
 from slime_async.engine.core import Engine
 from slime_async.engine.server import EngineServer
+from slime_async.types.oom import OUT_OF_MEMORY_EXIT
 
 
 def load_engine(model_path: str | Path, device: str = "auto", dtype: str = "float32", max_batch_size: int = 32,
@@ -42,6 +43,10 @@ def serve(engine: Engine, model_path: str, host: str = "127.0.0.1", port: int = 
     server = EngineServer(engine, model_path, host=host, admin_token=admin_token)
 
     async def main() -> None:
+        stopped = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        # the engine's loop stopped for good (out of memory): the process ends, and says why
+        engine.on_fatal = lambda _why: loop.call_soon_threadsafe(stopped.set)
         # handler_cancellation: a client that disconnects cancels its handler, whose generation is
         # then aborted (`EngineServer._run`); aiohttp's default lets it decode to the end for nobody
         runner = web.AppRunner(server.app, handle_signals=True, handler_cancellation=True)
@@ -55,10 +60,13 @@ def serve(engine: Engine, model_path: str, host: str = "127.0.0.1", port: int = 
         print(f"serving on http://{host}:{bound}", flush=True)
         sys.stdout.flush()
         try:
-            await asyncio.Event().wait()
+            await stopped.wait()
         finally:
             await runner.cleanup()
             engine.shutdown()
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())
+    if engine.fatal is not None:
+        print(f"error: {engine.fatal}", file=sys.stderr, flush=True)
+        sys.exit(OUT_OF_MEMORY_EXIT)

@@ -15,6 +15,7 @@ import hmac
 import time
 import urllib.parse
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import aiorwlock
@@ -69,6 +70,7 @@ class EngineServer(ControlRoutes):
         r.add_get("/model_info", self.model_info)
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/server_info", self.server_info)
+        r.add_get("/v1/loads", self.loads)
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
         self.add_control_routes(r)
@@ -168,7 +170,7 @@ class EngineServer(ControlRoutes):
             "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting), "num_held_reqs": self._held,
             "paused": e.paused,
             "decode_steps": e.steps, "generated_tokens": e.generated_tokens, "finished_reqs": e.finished,
-            "aborted_reqs": e.aborted, "memory_released": sorted(e.released),
+            "aborted_reqs": e.aborted, "memory_released": sorted(e.released), "busy_s": e.busy_s,
             "startup_time": self.started, "effective_max_running_requests_per_dp": e.max_batch_size,
         }
         return json_response({
@@ -192,6 +194,24 @@ class EngineServer(ControlRoutes):
             "max_req_input_len": e.context_length - 1,
             "startup_time": self.started,
             "internal_states": [state],
+        })
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """SGLang's `GET /v1/loads` (its `/get_load` is deprecated, and gone in 0.5.23): per data-parallel
+        rank (here one) the core of its `LoadSnapshot`: requests running, requests waiting for a batch
+        slot, tokens held. What adaptive concurrency (`rollout.adaptive_concurrency`) sizes the episodes
+        in flight from. Requests held by a pause are not counted: SGLang's scheduler does not see them."""
+        e = self.engine
+        running = list(e.running)
+        used = sum(s.cached for s in running)
+        capacity = e.max_batch_size * e.context_length
+        return json_response({
+            "timestamp": datetime.now(UTC).isoformat(), "version": SGLANG_API_VERSION,
+            "accelerator": None, "num_accelerators": 1,
+            "loads": [{"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": len(running),
+                       "num_waiting_reqs": len(e.waiting), "num_used_tokens": used, "num_total_tokens": used,
+                       "max_total_num_tokens": capacity, "max_running_requests": e.max_batch_size,
+                       "token_usage": used / capacity}],
         })
 
     # --- generation ---------------------------------------------------------------------

@@ -36,6 +36,7 @@ from slime_async.launch.process import start_process
 from slime_async.launch.sglang_command import preflight, router_argv, sglang_argv
 from slime_async.launch.vllm_command import set_vllm_version, vllm_argv
 from slime_async.rundir.run_log import append_event
+from slime_async.types.oom import OUT_OF_MEMORY_EXIT
 
 HOST, PORT, CONFIG = "@HOST@", "@PORT@", "@CONFIG@"
 """Placeholders in a part's command line, filled in where the process starts: the address it binds
@@ -325,6 +326,9 @@ class LocalLauncher:
                 continue
             message = f"{part.name} {child.exit_reason()}; last lines of {child.log_path}:\n{child.tail()}"
             self._event(f"{part.name} died ({child.exit_reason()})", shown=message)
+            if child.returncode == OUT_OF_MEMORY_EXIT:  # with the same settings it would again: the run stops
+                raise PartFailed(message + f"\n{part.name} ran out of memory: not restarted (the same settings "
+                                 "would fail the same way); its last lines say which settings decide its memory")
             if part.restarts >= self.cfg.launch.max_restarts:
                 raise PartFailed(message + f"\n{part.name} was restarted {part.restarts} times already: stopping")
             # ranks of one torch.distributed group cannot go on without the dead one: all start again

@@ -78,6 +78,7 @@ async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: 
                 # evaluation and data generation keep every group: filtering is for training
                 max_concurrency=r.max_concurrency, filter_equal_rewards=False,
                 sampling=Sampling.from_config(r.sampling), guard=guard, on_verdict=on_verdict,
+                adaptive_concurrency=r.adaptive_concurrency,
             )
             # Rollout alone never trains, so nothing would ever raise the version: lift the bound.
             scheduler.budget.max_staleness = 1 << 30

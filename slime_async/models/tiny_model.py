@@ -71,6 +71,10 @@ PRESETS: dict[str, ModelSpec] = {
     "0.5b": ModelSpec(
         hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, vocab_size=151936
     ),
+    # Qwen2.5-1.5B's shapes (random weights, tied embeddings as there): the larger shape of `bench e2e_gpu`.
+    "1.5b": ModelSpec(
+        hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960, vocab_size=151936
+    ),
 }
 
 
@@ -88,8 +92,11 @@ def cached_model_dir(preset: str = "tiny", seed: int = 0) -> Path:
     return out
 
 
-def make_model(out_dir: str | Path, spec: ModelSpec = PRESETS["tiny"], seed: int = 0, overwrite: bool = False) -> Path:
-    """Write tokenizer, chat template and random model to `out_dir`; return it.
+def make_model(out_dir: str | Path, spec: ModelSpec = PRESETS["tiny"], seed: int = 0, overwrite: bool = False,
+               device: str = "cpu") -> Path:
+    """Write tokenizer, chat template and random model to `out_dir`; return it. `device`: where the
+    weights are initialised (`cuda` makes a 1.5B model in seconds rather than minutes; its random
+    weights then differ from the CPU's of the same seed).
 
     Written to a temporary directory and renamed into place, so a reader never sees half a model
     and two processes making the same model do not collide (the second keeps the first's).
@@ -105,7 +112,7 @@ def make_model(out_dir: str | Path, spec: ModelSpec = PRESETS["tiny"], seed: int
     try:
         tokenizer = build_tokenizer(spec.bpe_vocab_size, seed)
         tokenizer.save_pretrained(tmp)
-        _build_model(spec, tokenizer, seed).save_pretrained(tmp)
+        _build_model(spec, tokenizer, seed, device).save_pretrained(tmp)
         if overwrite and out.exists():
             shutil.rmtree(out)
         try:
@@ -156,7 +163,7 @@ def build_tokenizer(bpe_vocab_size: int, seed: int):  # -> transformers.PreTrain
     return wrapped
 
 
-def _build_model(spec: ModelSpec, tokenizer, seed: int):  # -> transformers.Qwen2ForCausalLM or Qwen3MoeForCausalLM
+def _build_model(spec: ModelSpec, tokenizer, seed: int, device: str = "cpu"):  # -> Qwen2 or Qwen3-MoE CausalLM
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -184,8 +191,8 @@ def _build_model(spec: ModelSpec, tokenizer, seed: int):  # -> transformers.Qwen
         pad_token_id=ids("<|endoftext|>"),
         torch_dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)  # every device's generator
         model = model_class(config)
     model.generation_config = GenerationConfig(
         eos_token_id=[ids("<|im_end|>"), ids("<|endoftext|>")],

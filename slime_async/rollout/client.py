@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -102,6 +103,21 @@ class ServerReply:
     routed_experts: np.ndarray | None = None
     """With `routed_from`: int32 expert ids, flat, for the fed positions `routed_from` to the
     last-but-one token of prompt + output (SGLang's `meta_info.routed_experts`); None if not asked."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """Requests of the healthy engines, summed (SGLang's `/v1/loads` per engine, over its ranks)."""
+
+    running: int
+    """Decoding now (holding a batch slot)."""
+    waiting: int
+    """Queued for the next batch: beside full slots the engine is saturated; beside free ones it is
+    pacing its prefills (a token budget per step)."""
+    engines: int
+    """Engines that answered."""
+    capacity: int | None = None
+    """Their batch slots together (SGLang's `max_running_requests`); None when one did not say (vLLM)."""
 
 
 @dataclass
@@ -341,6 +357,17 @@ class SGLangClient:
     ABORT = "/abort_request"
     VERSION = "/get_model_info"
     """GET: a JSON object whose `weight_version` is the engine's current version."""
+    LOAD = "/v1/loads?include=core"
+    """GET: the engine's requests running and waiting (`_parse_load` reads it). SGLang's older
+    `/get_load` counts waiting requests as running too, logs a deprecation per call, and is gone in 0.5.23."""
+
+    def _parse_load(self, raw: bytes) -> tuple[int, int, int | None]:
+        """(running, waiting, batch slots or None) from SGLang's `/v1/loads`: `loads`, one object per
+        data-parallel rank (`max_running_requests` is 0 or absent where a rank does not say)."""
+        ranks = json.loads(raw)["loads"]
+        slots = [int(r.get("max_running_requests") or 0) for r in ranks]
+        return (sum(int(r["num_running_reqs"]) for r in ranks), sum(int(r["num_waiting_reqs"]) for r in ranks),
+                sum(slots) if all(slots) else None)
 
     def _body(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
               routed_from: int | None = None) -> bytes:
@@ -491,6 +518,24 @@ class SGLangClient:
         elif answers:
             self._saw_version(max(answers))
         return self.latest_version
+
+    async def load(self) -> EngineLoad | None:
+        """Requests running and waiting on every healthy engine, summed; None when none answered
+        (an engine without the route: `rollout.adaptive_concurrency` then keeps its limit)."""
+        assert self._session is not None
+        running = waiting = answered = 0
+        capacity: int | None = 0
+        for server in self.servers.values():
+            if not server.healthy:
+                continue
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError,
+                                     KeyError, TypeError):
+                async with self._session.get(server.url + self.LOAD, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    r.raise_for_status()
+                    one_running, one_waiting, one_capacity = self._parse_load(await r.read())
+                running, waiting, answered = running + one_running, waiting + one_waiting, answered + 1
+                capacity = None if capacity is None or one_capacity is None else capacity + one_capacity
+        return EngineLoad(running, waiting, answered, capacity) if answered else None
 
     async def check_health(self) -> dict[str, bool]:
         """Probe every server now; returns url -> healthy."""

@@ -26,6 +26,7 @@ from slime_async.moe.routing import SequenceRoutes
 from slime_async.moe.shape import MoeShape
 from slime_async.rollout.admission import StalenessBudget
 from slime_async.rollout.client import BadResponse, SGLangClient
+from slime_async.rollout.concurrency import AdaptiveLimit, ConcurrencyGate, adapt
 from slime_async.rollout.errors import ErrorBook
 from slime_async.rollout.filters import equal_rewards
 from slime_async.rollout.guard import Guard, Verdict
@@ -134,6 +135,7 @@ class Scheduler:
         on_verdict: Callable[[Verdict], None] | None = None,
         group_filter: Callable[[list[Trajectory]], Any] | None = None,
         replay: MoeShape | None = None,
+        adaptive_concurrency: bool = False,
     ) -> None:
         self.factory = factory
         self._tasks: Iterator[Task] = iter(tasks)
@@ -157,10 +159,22 @@ class Scheduler:
         """`rollout.group_filter`: True keeps a finished group, False or a reason drops it (`filtered`)."""
         self.replay = replay
         """An MoE model's shape when its routing is recorded for replay (`train.moe.routing_replay`)."""
-        self._slots = asyncio.Semaphore(max_concurrency)
+        self.adaptive = AdaptiveLimit(floor=min(group_size, max_concurrency), ceiling=max_concurrency) \
+            if adaptive_concurrency else None
+        """`rollout.adaptive_concurrency`: the episodes in flight follow the engines' load, up to
+        `max_concurrency` (`rollout/concurrency.py`); None: `max_concurrency` episodes."""
+        self._slots = ConcurrencyGate(self.adaptive.limit if self.adaptive else max_concurrency)
         self.stats = RolloutStats()
         self._stop = asyncio.Event()
         client.on_version(self._on_version)
+
+    def concurrency(self) -> dict[str, Any]:
+        """Episodes in flight and their limit; with adaptive concurrency, the recent engine loads it followed."""
+        out: dict[str, Any] = {"limit": self._slots.limit, "in_flight": self._slots.in_flight,
+                               "adaptive": self.adaptive is not None}
+        if self.adaptive is not None:
+            out["recent"] = [{"running": r, "waiting": w, "limit": n} for r, w, n in self.adaptive.history[-16:]]
+        return out
 
     async def _on_version(self, version: int) -> None:
         if version < self.budget.version and self.recount is not None:
@@ -183,6 +197,8 @@ class Scheduler:
         groups: dict[asyncio.Task, asyncio.Future] = {}
         stopping = asyncio.ensure_future(self._stop.wait())
         watcher = asyncio.ensure_future(self._watch_version())
+        sizer = asyncio.ensure_future(adapt(self._slots, self.adaptive, self.client.load)) \
+            if self.adaptive is not None else None
         try:
             for count in itertools.count():
                 if (num_groups is not None and count >= num_groups) or self._stop.is_set():
@@ -206,6 +222,8 @@ class Scheduler:
         finally:
             stopping.cancel()
             watcher.cancel()
+            if sizer is not None:
+                sizer.cancel()
             for g in list(groups):
                 g.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -21,6 +21,7 @@ What vLLM reports differently, normalised here (and pinned by `tests/vllm/test_v
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -30,6 +31,8 @@ from slime_async.config.engine_kinds import Dialect, engine_kind
 from slime_async.rollout.client import BadResponse, SGLangClient
 from slime_async.types.arrays import LOGPROB_DTYPE, TOKEN_DTYPE
 
+_GAUGE = re.compile(r"^vllm:num_requests_(?P<what>running|waiting)(?:\{[^}]*\})? (?P<value>\S+)$", re.M)
+"""A sample of vLLM's running/waiting gauges in its Prometheus text (`/metrics`)."""
 _RENAMED = {"max_new_tokens": "max_tokens", "sampling_seed": "seed", "min_new_tokens": "min_tokens",
             "no_stop_trim": "include_stop_str_in_output"}
 """SGLang's name -> vLLM's (`vllm.sampling_params.SamplingParams`)."""
@@ -97,6 +100,18 @@ class VLLMClient(SGLangClient):
     GENERATE = "/inference/v1/generate"
     ABORT = "/inference/v1/abort_requests"
     VERSION = "/weight_info"
+    LOAD = "/metrics"
+    """vLLM has no `/v1/loads`: its Prometheus gauges `vllm:num_requests_running` and `..._waiting`."""
+
+    def _parse_load(self, raw: bytes) -> tuple[int, int, int | None]:
+        found = {"running": 0.0, "waiting": 0.0}
+        seen = set()
+        for m in _GAUGE.finditer(raw.decode()):  # one line per engine core / model label set: summed
+            found[m["what"]] += float(m["value"])
+            seen.add(m["what"])
+        if seen != {"running", "waiting"}:
+            raise ValueError(f"{self.LOAD}: no vllm:num_requests_{'/'.join(sorted({'running', 'waiting'} - seen))}")
+        return int(found["running"]), int(found["waiting"]), None  # its max_num_seqs is not among its metrics
 
     def _body(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
               routed_from: int | None = None) -> bytes:

@@ -72,6 +72,7 @@ def write_stats(scheduler: Scheduler, path: Path, earlier: dict[str, Any] | None
               "lost_in_flight": e["lost_in_flight"], "lives": e["lives"] + 1}
     extra = {"distill": teacher.stats.summary(teacher.client)} if teacher is not None else {}
     tmp.write_text(json.dumps({**st.summary(), "in_flight": st.started - st.finished, "time": time.time(),
+                               "concurrency": scheduler.concurrency(),
                                "recent_reward": sum(recent) / len(recent) if recent else None, "totals": totals,
                                **extra}))
     tmp.replace(path)
@@ -152,7 +153,7 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
             filter_equal_rewards=r.filter_equal_rewards and not cfg.train.distilling,
             sampling=sampling, accepted=accepted, recount=recount,
             guard=Guard.for_rollout(r.guard, batch_share, r.group_size), group_filter=load_group_filter(r),
-            replay=replay,
+            replay=replay, adaptive_concurrency=r.adaptive_concurrency,
             # the launcher reads the verdict from the stats file and ends the run: written at once
             on_verdict=lambda verdict: write_stats(scheduler, stats_path, earlier, teacher),
         )

@@ -135,6 +135,10 @@ class StepRecord:
     (each step after the first on the same batch adds one)."""
     publish: PublishReport | None = None
     seconds: float = 0.0
+    times: dict[str, float] = field(default_factory=dict)
+    """Where `seconds` went: `wait_s` (for the batch), `batch_s` (building it), `recompute_s` (proximal
+    and reference logprobs), `train_s` (the optimizer steps), `memory_s` (engines' memory released and
+    taken back); the publish is `publish.seconds`. A run's time split (`bench e2e_gpu`) sums them."""
 
 
 class Trainer:
@@ -288,6 +292,7 @@ class Trainer:
         """One batch: get it, train on it, publish. None when no batch came (or nothing in it trained)."""
         start = time.perf_counter()
         trajectories = await asyncio.to_thread(self.source.get_batch, self.batch_size, self.cfg.batch_timeout_s)
+        got = time.perf_counter()
         if not trajectories:
             self.counters["empty_batches"] += 1
             if self.publisher is not None:  # idle: a good moment to catch up engines that fell behind
@@ -316,9 +321,12 @@ class Trainer:
             return None
         record = StepRecord(version=self.version, applied=0, trajectories=batch.num_trajectories, loss=0.0,
                             grad_norm=0.0)
+        record.times = {"wait_s": got - start, "batch_s": time.perf_counter() - got}
         if self.release_memory:  # the engines share our GPUs: they give them up while we compute
             assert self.publisher is not None
+            began = time.perf_counter()
             await self.publisher.release_memory()
+            record.times["memory_s"] = time.perf_counter() - began
         try:
             await self._train(batch, record, max_steps)
         finally:
@@ -351,6 +359,7 @@ class Trainer:
         """Proximal (and reference) logprobs, then up to `train.steps_per_batch` optimizer steps on `batch`."""
         obj = self.objective
         steps = self.cfg.steps_per_batch if max_steps is None else min(self.cfg.steps_per_batch, max_steps)
+        began = time.perf_counter()
         prox: torch.Tensor | None
         if self.cfg.proximal == "behaviour":
             prox = batch.behaviour_logprobs
@@ -362,6 +371,8 @@ class Trainer:
         if obj.needs_reference:
             ref = (await asyncio.to_thread(self.backend.logprobs, batch, self.temperature, False, True)).logprobs
         prep = obj.prepare(batch, prox, ref)
+        record.times["recompute_s"] = time.perf_counter() - began
+        began = time.perf_counter()
         for i in range(steps):
             result = await asyncio.to_thread(self.backend.train_step, batch, obj.loss_fn(prep), self.temperature,
                                              obj.needs_entropy)
@@ -377,6 +388,7 @@ class Trainer:
                 record.skipped_steps.append(result.reason)
                 log.warning("step skipped at version %d: %s", self.version, result.reason)
                 break  # the same batch would fail the same way
+        record.times["train_s"] = time.perf_counter() - began
 
 
 FAILURE_COUNTERS = ("reward_errors/", "metric_errors/", "tool_errors/")

@@ -59,9 +59,15 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str]) ->
     wrapped layers by module path. A ValueError naming `train.lora.target_modules` when none matched."""
     model.requires_grad_(False)
     found: dict[str, LoraLinear] = {}
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for path, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             if name in targets and isinstance(child, nn.Linear):
+                if tied and child is head:  # its weight is the embedding's: a merged head would move both
+                    raise ValueError(f"train.lora.target_modules: {name!r} is the output layer, whose weight is "
+                                     "the input embedding's (tie_word_embeddings): adapting it would change the "
+                                     "embedding too; leave it out")
                 wrapped = LoraLinear(child, rank, alpha)
                 setattr(module, name, wrapped)
                 found[f"{path}.{name}" if path else name] = wrapped
@@ -102,6 +108,9 @@ def save_adapters(layers: dict[str, LoraLinear], path: Path, base_model: str, ta
 @torch.no_grad()
 def load_adapters(layers: dict[str, LoraLinear], path: Path) -> None:
     """Adapters saved by `save_adapters` back into `layers`; a ValueError when they do not fit."""
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"{path}: no {ADAPTER_WEIGHTS}, so no LoRA adapters: a checkpoint of full weights (a run "
+                         "without train.lora) resumes without train.lora; a LoRA run starts from model.path")
     tensors = load_file(path / ADAPTER_WEIGHTS)
     expected = {f"{PEFT_PREFIX}{n}.lora_{x}.weight" for n in layers for x in "AB"}
     if set(tensors) != expected:

@@ -126,6 +126,37 @@ def cispo_loss(
     return PolicyLoss(loss, active, ratio)
 
 
+def sapo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> PolicyLoss:
+    """SAPO (Gao et al. 2025, arXiv 2511.20347): -f(r) A per token, f(r) = (4 / tau) sigmoid(tau (r - 1)),
+    tau = tau_pos where A > 0 and tau_neg elsewhere: a smooth gate on the ratio instead of PPO's clip.
+
+    Its gradient is w A r grad(logp) with w = 4 s (1 - s), s = sigmoid(tau (r - 1)), i.e. sech^2(tau (r - 1) / 2):
+    w = 1 at r = 1 (there it is exactly the plain policy gradient A grad(logp), whatever tau), and it
+    fades smoothly as the ratio leaves 1 (to half at |r - 1| = 1.76 / tau), never to zero. PPO's clip
+    instead keeps the whole gradient inside its band and none outside. The larger tau_neg fades the
+    negative tokens' gradient sooner: a negative advantage raises the logits of every token not
+    sampled, a push that spreads over the vocabulary. `clipped` marks the tokens whose gradient the
+    gate at least halved (w < 1/2), the soft counterpart of PPO's clip fraction.
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    m = mask.bool()
+    ratio = torch.exp(_log_ratio(logp, old_logp, mask))
+    tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    x = tau * (ratio - 1.0)
+    loss = -(4.0 / tau) * torch.sigmoid(x) * adv
+    with torch.no_grad():
+        weight = 4.0 * torch.sigmoid(x) * torch.sigmoid(-x)
+    return PolicyLoss(torch.where(m, loss, torch.zeros_like(loss)), (weight < 0.5) & m, ratio)
+
+
 def behaviour_weights(
     prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, level: Level = "token", cap: float = 2.0
 ) -> torch.Tensor:

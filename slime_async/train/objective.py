@@ -30,11 +30,12 @@ from slime_async.train.batch import Batch
 @dataclass(frozen=True)
 class Recipe:
     policy: str
-    """ppo | gspo | cispo"""
+    """ppo | gspo | cispo | sapo"""
     advantage: str
     aggregation: str
     clip_low: float
     clip_high: float
+    """The ratio clip (`sapo` has none: its gate's width is `train.sapo_tau_pos/neg`)."""
     behaviour_correction: bool
     """Whether `train.behaviour_correction` applies (all but plain `ppo`)."""
 
@@ -44,6 +45,8 @@ RECIPES: dict[str, Recipe] = {
     "dr_grpo": Recipe("ppo", "dr_grpo", "seq_mean_token_sum_norm", 0.2, 0.2, True),
     "gspo": Recipe("gspo", "grpo", "seq_mean_token_mean", 3e-4, 4e-4, True),
     "cispo": Recipe("cispo", "grpo", "token_mean", 1.0, 5.0, True),
+    # SAPO changes only the per-token term: GRPO's advantages and aggregation, as `grpo`; no clip
+    "sapo": Recipe("sapo", "grpo", "seq_mean_token_mean", 0.0, 0.0, True),
     "ppo": Recipe("ppo", "grpo", "token_mean", 0.2, 0.2, False),
     "decoupled_ppo": Recipe("ppo", "grpo", "token_mean", 0.2, 0.2, True),
 }
@@ -236,6 +239,8 @@ class Objective:
                 pl = L.gspo_loss(logp, prox, adv, mask, self.clip_low, self.clip_high)
             elif self.policy == "cispo":
                 pl = L.cispo_loss(logp, prox, adv, mask, self.clip_low, self.clip_high)
+            elif self.policy == "sapo":
+                pl = L.sapo_loss(logp, prox, adv, mask, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
             else:
                 pl = L.ppo_clip_loss(logp, prox, adv, mask, self.clip_low, self.clip_high, cfg.dual_clip)
             values = pl.loss * behaviour_weights

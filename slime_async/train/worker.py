@@ -38,6 +38,7 @@ from slime_async.train.distributed import DistInit, close_distributed, init_dist
 from slime_async.train.loop import StepRecord
 from slime_async.train.ranks import ControlGroup, RanksAborted, control_timeout
 from slime_async.types import Trajectory
+from slime_async.types.oom import OUT_OF_MEMORY_EXIT, is_out_of_memory
 
 log = logging.getLogger("slime_async.train.worker")
 
@@ -74,7 +75,7 @@ def metrics_line(record: StepRecord, counters: dict[str, int], started: float) -
         "loss": record.loss, "grad_norm": record.grad_norm, "max_staleness": record.max_staleness,
         "seconds": record.seconds, "elapsed_s": time.monotonic() - started, "time": time.time(),
         "skipped_steps": record.skipped_steps, "publish_s": getattr(record.publish, "seconds", None),
-        "publish_bytes": getattr(record.publish, "bytes", None),
+        "publish_bytes": getattr(record.publish, "bytes", None), **record.times,
         **{k: v for k, v in record.metrics.items() if isinstance(v, int | float)},
         "counters": dict(counters),
     }
@@ -99,10 +100,28 @@ async def run_trainer(config_path: str, buffer: str, engines: list[str], dist: D
     except BaseException as exc:
         if ranks is not None:  # the others wait on rank 0: they end with its error instead of a timeout
             await asyncio.to_thread(ranks.abort, f"{type(exc).__name__}: {exc}")
+        if is_out_of_memory(exc):  # the launcher stops the run on this code: a restart would fail the same way
+            print(f"error: {out_of_memory_message(cfg, exc)}", file=sys.stderr, flush=True)
+            return OUT_OF_MEMORY_EXIT
         raise
     finally:
         if dist is not None:
             close_distributed()
+
+
+def out_of_memory_message(cfg: Config, exc: BaseException) -> str:
+    """What ran out of memory and the settings that decide the trainer's memory, in one line."""
+    t = cfg.train
+    fixes = [f"lower train.micro_batch_size (now {t.micro_batch_size}) or train.max_seq_len (now {t.max_seq_len})"]
+    if t.backend == "megatron" and not t.megatron.recompute_activations:
+        fixes.append("set train.megatron.recompute_activations")
+    if t.lora is None and t.backend == "torch":
+        fixes.append("train adapters alone (train.lora)")
+    fixes.append("or leave the trainer more of the device (an engine on the same GPU holds the rest; "
+                 "sync.release_memory gives it back while the trainer steps)")
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return (f"trainer: out of memory ({t.backend} backend, model {cfg.model.path} in {cfg.model.dtype} on "
+            f"{cfg.model.device}): {', '.join(fixes)}; {type(exc).__name__}: {first}")
 
 
 async def follow(cfg: Config, engines: list[str], ranks: ControlGroup) -> int:

@@ -55,6 +55,9 @@ def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
         (["rollout", "configs/local.yaml", "--split", "dev"], "--split: got 'dev'; expected 'train' or 'eval'"),
         (["rollout", "configs/local.yaml", "env.name=envs.nope:X"], "env.name: cannot import module 'envs.nope'"),
         (["bench", "nope"], "unknown benchmark 'nope'; available: agent_endpoint, async_vs_sync"),
+        (["bench", "codec", "train.loss=sapo"],
+         "benchmark codec takes no config overrides (those that do: learning, learning_moe)"),
+        (["bench", "learning", "--quick", "train.los=sapo"], "train.los: unknown key; did you mean 'loss'?"),
         (["init-model", "x", "--preset", "huge"], "--preset: got 'huge'; expected one of 'tiny'"),
     ],
 )
@@ -98,10 +101,12 @@ def test_rollout_writes_trajectories(monkeypatch: pytest.MonkeyPatch, tiny_model
     monkeypatch.chdir(REPO)
     out = tmp_path / "t.jsonl"
     result = invoke("rollout", "configs/local.yaml", "--groups", "2", "--out", str(out), "rollout.group_size=3",
-                    "rollout.sampling.max_new_tokens=8")
+                    "rollout.sampling.max_new_tokens=8", "train.distill.model=tiny")
     assert result.exit_code == 0, result.output
     lines = out.read_bytes().splitlines()
-    assert len(lines) == 6 and f"wrote 6 trajectories to {out}" in " ".join(result.stdout.split())
+    said = " ".join(result.stdout.split())
+    assert len(lines) == 6 and f"wrote 6 trajectories to {out}" in said
+    assert "note: train.distill is a training setting: `slime-async rollout` asks no teacher" in said
     trajectories = [from_json(line, Trajectory) for line in lines]
     assert len({t.group_id for t in trajectories}) == 2
     assert all(t.env == "envs.calculator:CalculatorEnv" for t in trajectories)
@@ -144,6 +149,31 @@ def test_bench_lists_runs_and_writes_results(monkeypatch: pytest.MonkeyPatch, tm
     assert record["benchmark"] == "codec" and len(record["rows"]) == 6
     assert result.stdout.strip().splitlines()[-1] == record["headline"]
     assert "(goal" in record["headline"]
+
+
+def test_bench_overrides_reach_a_training_benchmark_and_keep_the_plain_record(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import types
+
+    seen: list[list[str] | None] = []
+
+    def run(quick: bool = False, overrides: list[str] | None = None) -> benchmarks.Result:
+        seen.append(overrides)
+        return benchmarks.Result(["x"], [[1]], "figure (goal 1)")
+
+    fake = types.ModuleType("benchmarks.fake_training")
+    fake.DESCRIPTION, fake.OVERRIDES_OF, fake.run = "a stand-in", "configs/local.yaml", run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "benchmarks.fake_training", fake)
+    monkeypatch.setattr(benchmarks, "RESULTS_DIR", tmp_path)
+    benchmarks.run_benchmark("fake_training", quick=True)
+    benchmarks.run_benchmark("fake_training", quick=True, overrides=["train.loss=sapo", "run.name=a/b"])
+    assert seen == [None, ["train.loss=sapo", "run.name=a/b"]]
+    plain = json.loads((tmp_path / "fake_training.json").read_text())
+    other = json.loads((tmp_path / "fake_training+train.loss=sapo+run.name=a_b.json").read_text())
+    assert plain["overrides"] == [] and other["overrides"] == ["train.loss=sapo", "run.name=a/b"]
+    with pytest.raises(ValueError, match="benchmark codec takes no config overrides"):
+        benchmarks.run_benchmark("codec", quick=True, overrides=["train.loss=sapo"])
 
 
 def test_real_entry_point_process() -> None:

@@ -47,5 +47,6 @@ def test_a_missing_teacher_is_refused_in_one_line(tmp_path: Path, tiny_model_dir
 def test_a_teacher_that_shares_the_tokenizer_passes(tiny_model_dir: Path, varied_model_dir: Path,
                                                     other_tokenizer_model: Path) -> None:
     assert check_teacher(tiny_model_dir, varied_model_dir) == varied_model_dir
+    assert check_teacher(tiny_model_dir, "tiny") == tiny_model_dir  # a preset, as model.path and serve take it
     with pytest.raises(ConfigError, match="tokens differ"):
         check_teacher(tiny_model_dir, other_tokenizer_model)

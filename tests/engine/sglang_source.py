@@ -21,6 +21,8 @@ FILES = {
     "sampling": "sglang/srt/sampling/sampling_params.py",
     "versions": "sglang/srt/utils/weight_versions.py",
     "api": "sglang/api/v1/api_types.py",
+    "v1_loads": "sglang/srt/entrypoints/v1_loads.py",
+    "loads": "sglang/srt/managers/load_snapshot.py",
 }
 
 

@@ -51,8 +51,8 @@ def test_sampling_params_fields_exist_in_sglang(sglang_source: dict[str, ast.Mod
 def test_every_endpoint_exists_in_sglang(sglang_source: dict[str, ast.Module], tiny_engine) -> None:
     server = EngineServer(tiny_engine, "m")
     ours = {r.resource.canonical for r in server.app.router.routes()}
-    theirs = routes(sglang_source["http"])
-    assert "/generate" in theirs and len(theirs) > 30  # the parse found SGLang's routes
+    theirs = routes(sglang_source["http"]) | routes(sglang_source["v1_loads"])  # a router the app includes
+    assert "/generate" in theirs and "/v1/loads" in theirs and len(theirs) > 30  # the parse found SGLang's routes
     assert ours - theirs == set()
 
 
@@ -71,6 +71,24 @@ def test_model_info_keys_exist_in_sglang(sglang_source: dict[str, ast.Module], t
     response = asyncio.run(server.model_info(None))  # type: ignore[arg-type]
     ours = set(msgspec.json.decode(response.body))
     assert ours == theirs
+
+
+def test_loads_keys_exist_in_sglang(sglang_source: dict[str, ast.Module], tiny_engine) -> None:
+    """`/v1/loads`: the top-level keys of SGLang's answer, and per rank the fields of its `LoadSnapshot`."""
+    import asyncio
+
+    theirs = class_fields(sglang_source["loads"], "LoadSnapshot")
+    assert {"dp_rank", "num_running_reqs", "num_waiting_reqs"} <= theirs  # the two the client reads
+    for node in ast.walk(sglang_source["v1_loads"]):
+        if isinstance(node, ast.AsyncFunctionDef) and node.name == "get_loads":
+            result = [n.value for n in ast.walk(node) if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict)]
+            top = {k.value for k in result[-1].keys if isinstance(k, ast.Constant)}
+            break
+    else:
+        raise AssertionError("no get_loads in SGLang's v1_loads.py")
+    server = EngineServer(tiny_engine, "m")
+    body = msgspec.json.decode(asyncio.run(server.loads(None)).body)  # type: ignore[arg-type]
+    assert set(body) == top and set(body["loads"][0]) <= theirs
 
 
 def test_weight_version_spans_have_sglangs_shape(sglang_source: dict[str, ast.Module]) -> None:

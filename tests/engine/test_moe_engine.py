@@ -291,7 +291,9 @@ def test_grouped_sparse_experts_equal_the_loop_over_experts(hf_moe: torch.nn.Mod
     with torch.no_grad():
         got = moe.sparse(h, weights, ids, mlp, F.silu)
         torch.testing.assert_close(got, loop_over_experts(h, weights, ids, mlp, F.silu), atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(got, moe.dense(h, weights, ids, mlp, F.silu), atol=1e-5, rtol=1e-5)
+        # the dense form sums every expert (zero-weighted off the chosen ones) in another order: float32 noise
+        # of up to 2e-5 was seen on some runs (the reduction order follows the threads torch has)
+        torch.testing.assert_close(got, moe.dense(h, weights, ids, mlp, F.silu), atol=5e-5, rtol=1e-5)
     assert got.abs().max() > 1e-3
 
 

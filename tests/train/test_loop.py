@@ -67,6 +67,10 @@ async def test_loop_steps_bumps_version_publishes_and_tells_the_source(tiny_mode
     assert records[0].metrics["ratio_min"] == records[0].metrics["ratio_max"] == 1.0
     assert records[0].metrics["clip_fraction"] == 0.0
     assert any(not torch.equal(p, before[n]) for n, p in trainer.backend.named_weights())
+    for r in records:  # the step's time split: its parts, none negative, within the whole
+        assert set(r.times) == {"wait_s", "batch_s", "recompute_s", "train_s"} and r.publish is not None
+        assert min(r.times.values()) >= 0 and r.times["train_s"] > 0
+        assert sum(r.times.values()) + r.publish.seconds <= r.seconds
 
 
 async def test_proximal_from_the_training_forward_equals_a_recomputed_one(
@@ -268,6 +272,7 @@ async def test_engines_give_their_memory_back_around_the_gpu_work(
         record = await trainer.step()
         assert record is not None and record.version == 1 and record.publish is not None
         assert calls == ["release", "train_step", "restore 1"]
+        assert record.times["memory_s"] >= 0 and sum(record.times.values()) <= record.seconds
         assert sink.published == [(1, len(list(trainer.backend.named_weights())))]  # one push, not two
 
 

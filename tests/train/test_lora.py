@@ -75,9 +75,22 @@ def test_checkpoints_hold_only_the_adapters_and_resume_exactly(tiny_model_dir: P
     torch.testing.assert_close(again.logprobs(b, 1.0).logprobs, be.logprobs(b, 1.0).logprobs, atol=0, rtol=0)
 
 
+def test_a_checkpoint_of_the_other_kind_is_refused_in_words(tiny_model_dir: Path, tmp_path: Path) -> None:
+    lora, full = lora_backend(tiny_model_dir), TorchBackend(tiny_model_dir, device="cpu")
+    lora.save(tmp_path / "adapters")
+    full.save(tmp_path / "full")
+    with pytest.raises(ValueError, match=r"no adapter_model\.safetensors, so no LoRA adapters: a checkpoint of full"):
+        lora_backend(tiny_model_dir).load(tmp_path / "full")
+    with pytest.raises(ValueError, match=r"LoRA adapters, not full weights: this run was trained with train\.lora"):
+        TorchBackend(tiny_model_dir, device="cpu").load(tmp_path / "adapters")
+
+
 def test_bad_targets_and_the_megatron_backend_are_refused_naming_the_field(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"train.lora.target_modules: \['qkv'\] names no linear layer.*q_proj"):
         TorchBackend(tiny_model_dir, device="cpu", lora=LoraConfig(target_modules=["qkv"]))
+    # the tiny model ties its output layer to the embedding
+    with pytest.raises(ValueError, match=r"train.lora.target_modules: 'lm_head' is the output layer, whose weight"):
+        TorchBackend(tiny_model_dir, device="cpu", lora=LoraConfig(target_modules=["q_proj", "lm_head"]))
     with pytest.raises(ConfigError, match=r"train\.lora: LoRA adapters train on the torch backend only"):
         load_config(REPO / "configs/local.yaml", ["train.lora={}", "train.backend=megatron"])
     assert load_config(REPO / "configs/local.yaml", ["train.lora={rank: 4}"]).train.lora.rank == 4

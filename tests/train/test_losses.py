@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -19,6 +20,7 @@ from slime_async.train.losses import (
     off_policy_metrics,
     outlier_mask,
     ppo_clip_loss,
+    sapo_loss,
 )
 
 T = torch.tensor
@@ -64,7 +66,7 @@ def test_masked_tokens_contribute_nothing_even_if_garbage() -> None:
     old = T([[0.0, -float("inf")], [0.0, 0.0]])
     mask = T([[1.0, 0.0], [0.0, 0.0]])
     for out in (ppo_clip_loss(logp, old, torch.ones(2, 2), mask), gspo_loss(logp, old, torch.ones(2, 2), mask),
-                cispo_loss(logp, old, torch.ones(2, 2), mask)):
+                cispo_loss(logp, old, torch.ones(2, 2), mask), sapo_loss(logp, old, torch.ones(2, 2), mask)):
         assert torch.isfinite(out.loss).all()
         assert out.loss[0, 1] == 0 and out.loss[1].abs().sum() == 0
     w = aggregation_weights(mask, "seq_mean_token_mean")
@@ -96,6 +98,55 @@ def test_cispo_keeps_gradient_through_clipped_tokens() -> None:
     out.loss.sum().backward()
     torch.testing.assert_close(logp.grad, T([[-4.0, 0.5]]))
     assert out.clipped.tolist() == [[True, False]]
+
+
+def test_sapo_by_hand_and_its_gradient_at_ratio_one_is_the_policy_gradient() -> None:
+    # loss = -(4 / tau) sigmoid(tau (r - 1)) A, tau = 1 for A > 0 and 2 for A <= 0
+    old = torch.zeros(1, 4)
+    logp = T([[0.0, ln(3.0), 0.0, ln(0.5)]], requires_grad=True)
+    adv = T([[2.0, 1.0, -1.0, -1.0]])
+    out = sapo_loss(logp, old, adv, torch.ones(1, 4), tau_pos=1.0, tau_neg=2.0)
+
+    def sig(x: float) -> float:
+        return 1 / (1 + math.exp(-x))
+
+    torch.testing.assert_close(out.loss, T([[-4 * 0.5 * 2.0, -4 * sig(2.0), 2 * 0.5, 2 * sig(-1.0)]]))
+    out.loss.sum().backward()
+    assert logp.grad is not None
+    # d/dlogp = -A r (4 s (1 - s)), s = sigmoid(tau (r - 1)): at r = 1, -A, whatever tau (REINFORCE's gradient)
+    want = [-2.0, -1.0 * 3.0 * 4 * sig(2.0) * sig(-2.0), 1.0, 0.5 * 4 * sig(-1.0) * sig(1.0)]
+    torch.testing.assert_close(logp.grad, T([want]))
+    # the gate halved only the gradient of the token at ratio 3 (tau |r - 1| = 2 > 1.76)
+    assert out.clipped.tolist() == [[False, True, False, False]]
+    with pytest.raises(ValueError, match="temperatures"):
+        sapo_loss(logp, old, adv, torch.ones(1, 4), tau_neg=0.0)
+
+
+def test_sapo_gate_fades_smoothly_and_faster_for_negative_advantages() -> None:
+    ratios = [0.5, 0.8, 0.95, 1.0, 1.05, 1.2, 1.5, 2.0, 3.0, 5.0]
+    n = len(ratios)
+
+    def gate(adv: float, **kw: float) -> list[float]:
+        """The gradient's weight against the unclipped surrogate's (-A r) at each ratio."""
+        logp = T([[ln(r) for r in ratios]], requires_grad=True)
+        sapo_loss(logp, torch.zeros(1, n), torch.full((1, n), adv), torch.ones(1, n), **kw).loss.sum().backward()
+        assert logp.grad is not None
+        return (logp.grad / T([[-adv * r for r in ratios]]))[0].tolist()
+
+    up, down = gate(1.0, tau_pos=1.0, tau_neg=1.05), gate(-1.0, tau_pos=1.0, tau_neg=1.05)
+    one = ratios.index(1.0)
+    assert up[one] == pytest.approx(1.0) and down[one] == pytest.approx(1.0)
+    # it falls on either side of 1, step by step (no band, no jump: PPO's gradient drops from whole to 0)
+    for w in (up, down):
+        assert all(a < b for a, b in itertools.pairwise(w[:one + 1]))
+        assert all(a > b for a, b in itertools.pairwise(w[one:]))
+        assert w[-1] > 0  # never zero: far tokens still teach, a little
+        neighbours = [abs(a - b) for a, b in itertools.pairwise(w)]
+        assert max(neighbours[one - 1:one + 1]) < 0.01  # a 5% step from ratio 1 changes it by under 1%
+    # the negative side's higher temperature fades its gradient sooner, at every ratio but 1
+    assert all(d < u for i, (d, u) in enumerate(zip(down, up, strict=True)) if i != one)
+    # and a higher temperature narrows the gate: halved by ratio 2 with tau 2, not with tau 1
+    assert gate(1.0, tau_pos=2.0)[ratios.index(2.0)] < 0.5 < up[ratios.index(2.0)]
 
 
 def test_behaviour_weights_token_and_sequence_capped() -> None:

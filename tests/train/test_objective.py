@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -130,3 +131,33 @@ def test_a_custom_policy_loss_is_aggregated_like_the_recipes() -> None:
     torch.testing.assert_close(loss.detach(), want)
     loss.backward()
     torch.testing.assert_close(logp.grad, -p.advantages * p.weights)
+
+
+def test_sapo_through_the_objective() -> None:
+    o = Objective(TrainConfig(loss="sapo", sapo_tau_pos=2.0, sapo_tau_neg=3.0))
+    assert (o.policy, o.advantage, o.aggregation, o.correction) == ("sapo", "grpo", "seq_mean_token_mean", "token")
+    b = batch()
+    shift = T([[0.0, math.log(3.0), 0.0, math.log(0.5)], [0.0] * 4, [0.0] * 4])  # proximal/behaviour weights
+
+    def grad(obj: Objective, moved: torch.Tensor) -> torch.Tensor:
+        """The gradient of one step at current = proximal + `moved`; proximal = behaviour + shift."""
+        p = obj.prepare(b, b.behaviour_logprobs + shift)
+        logp = (b.behaviour_logprobs + shift + moved).requires_grad_()
+        loss, _ = obj.loss_fn(p)(b, slice(0, 3), Logprobs(logp, None))
+        loss.backward()
+        assert logp.grad is not None
+        return logp.grad
+
+    # at ratio 1 it is decoupled PPO's gradient (the same advantages, behaviour weights and aggregation)
+    ppo = Objective(TrainConfig(loss="decoupled_ppo", aggregation="seq_mean_token_mean"))
+    torch.testing.assert_close(grad(o, torch.zeros(3, 4)), grad(ppo, torch.zeros(3, 4)))
+    # away from it the configured temperatures gate it: row 0 (A > 0) at ratio 1.5 weighs sech^2(2 * 0.5 / 2),
+    # row 1 (A < 0) at ratio 1.5 sech^2(3 * 0.5 / 2); PPO's clip would have zeroed row 0 and kept row 1 whole
+    moved = T([[0.0, math.log(1.5), math.log(1.5), math.log(1.5)], [0.0, math.log(1.5), math.log(1.5), 0.0], [0.0] * 4])
+    ratio_one = grad(o, torch.zeros(3, 4))
+    gated = grad(o, moved)
+    sech2 = [1 / math.cosh(x) ** 2 for x in (0.5, 0.75)]
+    torch.testing.assert_close(gated[0, 1:], ratio_one[0, 1:] * 1.5 * sech2[0])
+    torch.testing.assert_close(gated[1, 1:3], ratio_one[1, 1:3] * 1.5 * sech2[1])
+    with pytest.raises(msgspec.ValidationError, match="clip_high: the sapo recipe has no clip"):
+        msgspec.convert({"loss": "sapo", "clip_high": 0.28}, TrainConfig)

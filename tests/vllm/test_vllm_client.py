@@ -17,7 +17,7 @@ from helpers import hf_greedy, perturbed
 from transformers import AutoModelForCausalLM
 from vllm_helpers import VLLMServer, vllm_config
 
-from slime_async.rollout.client import ServerError
+from slime_async.rollout.client import EngineLoad, ServerError
 from slime_async.rollout.vllm_client import VLLMClient, engine_client, vllm_sampling
 from slime_async.sync import WeightPublisher
 
@@ -97,6 +97,8 @@ async def test_a_cancelled_request_is_aborted_on_the_server(vllm_server: VLLMSer
     async with VLLMClient([vllm_server.url]) as client:
         task = asyncio.ensure_future(client.generate(PROMPT, {"max_new_tokens": 480, "ignore_eos": True}))
         await wait_running(vllm_server.url)
+        # adaptive concurrency reads vLLM's own gauges: the request is running, none waits
+        assert await client.load() == EngineLoad(running=1, waiting=0, engines=1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
