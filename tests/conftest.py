@@ -9,6 +9,12 @@ import torch
 from helpers import perturbed_copy
 from transformers import AutoModelForCausalLM
 
+# This process computes beside the engines and parts the tests start, on the same cores: one thread
+# here, as the launcher gives one to every part but the busiest (launch.torch_threads). With two, on
+# two shared cores, each small operation waited for a descheduled peer: HF's token-by-token decoding
+# beside a busy engine 4-6x slower, small training steps up to 10x; large ones lose little.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -64,15 +64,7 @@ async def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
 
 
 def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
-    # On one thread: decoding a tiny model token by token is all per-operation overhead, which a second
-    # thread only adds to (300 tokens: ~2 s on one, ~4 s on two idle cores, ~15 s beside a busy engine)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    finally:
-        torch.set_num_threads(threads)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
