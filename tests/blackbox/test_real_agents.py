@@ -118,7 +118,9 @@ async def test_a_smolagents_tool_calling_agent_trains_each_rewritten_context_as_
         tool_engine: EngineProcess, tokenizer: Any, calc_tasks: list[Task]) -> None:  # fmt: skip
     task = Task(id=calc_tasks[0].id, prompt=calc_tasks[0].prompt, answer=calc_tasks[0].answer, metadata={})
     traj = await episode(tool_engine, tokenizer, task, "framework_agents:smolagents_calculator")
-    assert traj.stop_reason is StopReason.DONE, traj.error
+    # the tiny model never saw smolagents' prompts: its last reply may run to the token limit (truncated,
+    # as the endpoint said "length"); anything else is a failure of ours
+    assert traj.stop_reason in (StopReason.DONE, StopReason.TRUNCATED) and not traj.error, traj.error
     assert len(traj.turns) >= 2 and all(t.new_branch for t in traj.turns[1:])  # its memory, replayed as text
     await assert_engine_generated(tool_engine, traj, segments=True)
     assert task.metadata["steps"][:2] == ["TaskStep", "ActionStep"]

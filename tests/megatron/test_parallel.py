@@ -72,3 +72,23 @@ def test_two_ranks_compute_what_one_torch_process_computes(family: str, tp: int,
         torch.testing.assert_close(got["grads"][name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
     assert got["grad_norm"] == pytest.approx(result.grad_norm, rel=1e-5)
     assert sum(not torch.equal(got["after"][n], got["before"][n]) for n in hf) > 10
+
+
+LONE = """
+import os, subprocess, sys, torch
+from slime_async.train.megatron.parallel import init_parallel
+init_parallel(1, 1, None, torch.device("cpu"))
+assert not {"RANK", "MASTER_PORT"} & set(os.environ), "the lone world leaked into the environment"
+if sys.argv[1] == "parent":  # a process it starts (a benchmark phase, a launched part) makes its own world
+    subprocess.run([sys.executable, "-c", sys.argv[2], "child", ""], check=True, timeout=120)
+print(sys.argv[1], "ok")
+"""
+
+
+def test_a_lone_world_leaves_the_environment_to_the_processes_it_starts() -> None:
+    # a RANK/MASTER_PORT left in os.environ made a child join the parent's world on its port (EADDRINUSE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", LONE, "parent", LONE], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["child", "ok", "parent", "ok"]

@@ -17,7 +17,6 @@ the rank holding its expert. Expert weights are then reduced over the expert-dat
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +57,6 @@ class Layout:
         return self.pp_rank == self.pp - 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_parallel(tensor_parallel: int, pipeline_parallel: int, data_parallel: int | None, device: torch.device,
                   expert_parallel: int = 1) -> Layout:
     """Initialise (or reuse) the process groups for these sizes; ValueError naming the field when the
@@ -72,14 +65,17 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, data_parallel: i
     from megatron.core import tensor_parallel as mtp
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # a lone process: a world of one on loopback
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ:  # a launcher's rank: its world, from the environment
+            dist.init_process_group(backend)
+        else:
+            # a lone process: a world of one on an in-process store. No port (a free one picked then
+            # bound later can be taken meanwhile), and nothing written to os.environ: a RANK or
+            # MASTER_PORT left there reached every process this one started, which then joined
+            # this one's world (EADDRINUSE on its port)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     model_parallel = tensor_parallel * pipeline_parallel
     if world % model_parallel:
