@@ -43,6 +43,10 @@ DESCRIPTION = ("real SGLang on a GPU: our client, rollout, weight push and train
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sglang_gpu.yaml"
 CONCURRENCY = (1, 32, 128)
 READY = r"fired up and ready to roll"
+PARTS = ("sglang", "embedded", "train")
+"""`SGLANG_GPU_PARTS` picks some (comma-separated): a device call lasts at most 10 minutes, so the parts
+can run in calls of their own on the same warm machine; each adds to what `$SGLANG_GPU_OUT/partial.json`
+holds from the earlier ones."""
 
 
 def _out() -> Path:
@@ -62,11 +66,11 @@ def _start_sglang(model_dir: Path, port: int, log: Path):  # -> ChildProcess
     return start_process("sglang", argv, READY, timeout=400, log_path=log, own_group=True), argv
 
 
-def _rates(url: str, vocab: int) -> dict[int, float]:
+def _rates(url: str, vocab: int) -> dict[str, float]:
     out = {}
     for c in CONCURRENCY:
         runs = [asyncio.run(decode_rate(url, prompts(c, vocab, seed=c))) for _ in range(2)]
-        out[c] = max(runs)
+        out[str(c)] = max(runs)
     return out
 
 
@@ -132,19 +136,37 @@ def run(quick: bool = False) -> Result:
     import sglang  # noqa: F401  (fails here, not in a child, if it is missing)
     from transformers import AutoModelForCausalLM
 
-    from slime_async.launch.process import start_engine
     from slime_async.models.tiny_model import cached_model_dir
 
     out = _out()
+    parts = [p for p in os.environ.get("SGLANG_GPU_PARTS", ",".join(PARTS)).split(",") if p]
+    if unknown := set(parts) - set(PARTS):
+        raise SystemExit(f"SGLANG_GPU_PARTS: unknown {sorted(unknown)}; choose from {', '.join(PARTS)}")
     model_dir = cached_model_dir("0.5b")
-    details: dict[str, Any] = {"device": torch.cuda.get_device_name(), "sglang": _version("sglang"),
-                               "torch": torch.__version__, "stages": {}}
-    stages = details["stages"]
+    details: dict[str, Any] = {"stages": {}, "rates": {}, "pauses": {}}
+    if set(parts) != set(PARTS) and (out / "partial.json").is_file():  # an earlier call's parts
+        details = json.loads((out / "partial.json").read_text())
+    details.update({"device": torch.cuda.get_device_name(), "sglang": _version("sglang"), "torch": torch.__version__})
+    stages = details["stages"]  # rates: {engine: {concurrency as text (JSON keys): tokens/s}}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     vocab = model.config.vocab_size
-    rates: dict[str, dict[int, float]] = {}
-    pauses: dict[str, float] = {}
+    if "sglang" in parts:
+        _sglang_part(model_dir, model, vocab, out, details)
+    if "embedded" in parts:
+        _embedded_part(model_dir, model, vocab, out, details)
+    model = None  # the trainer run below needs the memory
+    torch.cuda.empty_cache()
+    if "train" in parts:
+        # the GPU image may lack tensorboard (a dependency of ours, not of the check)
+        extra = [] if importlib.util.find_spec("tensorboard") else ["log.tensorboard=false"]
+        stages["train"] = _guard(lambda: _train(model_dir, out, 2 if quick else 4, *extra))
+        _save(out, details)
+    return _result(details)
 
+
+def _sglang_part(model_dir: Path, model: Any, vocab: int, out: Path, details: dict[str, Any]) -> None:
+    """Real SGLang: its start, our checks against it, `slime-async rollout`, decode rates, the push's pause."""
+    stages, rates, pauses = details["stages"], details["rates"], details["pauses"]
     port = free_port("127.0.0.1")
     started = time.perf_counter()
     try:
@@ -168,7 +190,14 @@ def run(quick: bool = False) -> Result:
                 pauses["sglang"] = p["publish_s_median"]
         finally:
             server.stop()
+    _save(out, details)
 
+
+def _embedded_part(model_dir: Path, model: Any, vocab: int, out: Path, details: dict[str, Any]) -> None:
+    """The embedded engine on the same GPU and model: the same checks, decode rates and pause."""
+    from slime_async.launch.process import start_engine
+
+    stages, rates, pauses = details["stages"], details["rates"], details["pauses"]
     engine = start_engine(model_dir, "--device", "cuda", "--dtype", "bfloat16", "--max-batch-size",
                           str(max(CONCURRENCY)), log_path=out / "embedded.log", timeout=300)
     try:
@@ -183,16 +212,12 @@ def run(quick: bool = False) -> Result:
     finally:
         engine.stop()
     _save(out, details)
-    model = None  # the trainer run below needs the memory
-    torch.cuda.empty_cache()
 
-    # the GPU image may lack tensorboard (a dependency of ours, not of the check)
-    extra = [] if importlib.util.find_spec("tensorboard") else ["log.tensorboard=false"]
-    stages["train"] = _guard(lambda: _train(model_dir, out, 2 if quick else 4, *extra))
-    _save(out, details)
 
+def _result(details: dict[str, Any]) -> Result:
+    stages, rates, pauses = details["stages"], details["rates"], details["pauses"]
     rows: list[list[Any]] = []
-    for c in CONCURRENCY:
+    for c in map(str, CONCURRENCY):
         s, e = rates.get("sglang", {}).get(c), rates.get("embedded", {}).get(c)
         if s and e:
             rows.append(["decode tok/s", f"concurrency {c}", s, e, e / s])
@@ -201,11 +226,9 @@ def run(quick: bool = False) -> Result:
                      pauses["sglang"], pauses["embedded"], pauses["embedded"] / pauses["sglang"]])
     for name, stage in stages.items():
         rows.append(["check", name, "ok" if stage.get("ok") else "FAILED", "", ""])
-    details["rates"] = rates
-    details["pauses"] = pauses
     passed = sum(bool(s.get("ok")) for s in stages.values())
-    ratio = (rates["embedded"][32] / rates["sglang"][32]) if rates.get("embedded") and rates.get("sglang") \
-        and 32 in rates["embedded"] and 32 in rates["sglang"] else float("nan")
+    ratio = (rates["embedded"]["32"] / rates["sglang"]["32"]) if "32" in rates.get("embedded", {}) \
+        and "32" in rates.get("sglang", {}) else float("nan")
     headline = (f"real SGLang {details['sglang']} on {details['device']}: {passed}/{len(stages)} checks passed; "
                 f"embedded / SGLang decode at 32 concurrent: {ratio:.2f}x (peer anchor, P6)")
     return Result(columns=["measure", "case", "SGLang", "embedded", "embedded / SGLang"], rows=rows,
