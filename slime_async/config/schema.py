@@ -411,7 +411,8 @@ class DistillConfig(_Section):
 class LoraConfig(_Section):
     """LoRA (`slime_async.train.lora`): low-rank adapters on the named linear layers train, everything
     else is frozen; checkpoints hold only the adapters (peft's format), and the engines get the merged
-    weights of the adapted layers (`W + alpha / rank * B A`). Torch backend only."""
+    weights of the adapted layers (`W + alpha / rank * B A`). Torch and megatron backends (megatron:
+    dense models, one pipeline stage; `slime_async.train.megatron.lora` says what else)."""
 
     rank: PositiveInt = 8
     """Rank r of each adapter (A is [r, in], B is [out, r])."""
@@ -552,7 +553,7 @@ class TrainConfig(_Section):
     """On-policy distillation from a teacher model (off unless `distill.model` is set)."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of every weight (`{}` for the defaults); null: full fine-tuning.
-    The torch backend only: the megatron backend refuses it."""
+    Torch and megatron backends (megatron: dense models, one pipeline stage, `attention` not te)."""
 
     def __post_init__(self) -> None:
         if self.loss == "sapo" and self.policy_loss_fn is None:
@@ -741,9 +742,6 @@ class Config(_Section):
     """vLLM's server and its arguments for `engine.kind: vllm`."""
 
     def __post_init__(self) -> None:
-        if self.train.lora is not None and self.train.backend != "torch":
-            raise ValueError("train.lora: LoRA adapters train on the torch backend only (the megatron backend "
-                             "has no adapters yet); use train.backend: torch, or leave train.lora out")
         # a LoRA run pushes only the adapted layers' merged weights: engines must keep the rest
         if self.train.lora is not None and self.engine.kind == "vllm":
             raise ValueError("train.lora: vLLM reloads a whole checkpoint from disk and a LoRA run publishes only "

@@ -30,7 +30,7 @@ def build_backend(config: Config, model_path: str | Path | None = None) -> Train
         except ImportError as exc:
             raise ValueError(f"train.backend: megatron needs megatron-core (pip install 'slime-async[megatron]'): "
                              f"{exc}") from None
-        return MegatronBackend(path, parallel=tc.megatron, **common)  # type: ignore[arg-type]
+        return MegatronBackend(path, parallel=tc.megatron, lora=tc.lora, **common)  # type: ignore[arg-type]
     from slime_async.train.torch_backend import TorchBackend
 
     return TorchBackend(path, warmup_steps=tc.lr_warmup_steps, lora=tc.lora, **common)  # type: ignore[arg-type]

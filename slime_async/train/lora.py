@@ -92,30 +92,44 @@ def merged_weights(layers: dict[str, LoraLinear]) -> Iterator[tuple[str, torch.T
 
 def save_adapters(layers: dict[str, LoraLinear], path: Path, base_model: str, targets: list[str]) -> None:
     """The adapters in peft's format: `adapter_model.safetensors` and `adapter_config.json`."""
+    some = next(iter(layers.values()))
+    write_peft({name: (m.lora_A, m.lora_B) for name, m in layers.items()}, path, base_model, some.rank, some.alpha,
+               targets)
+
+
+def write_peft(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], path: Path, base_model: str, rank: int,
+               alpha: float, targets: list[str]) -> None:
+    """(A, B) by HF module path, whole, written in peft's format (the megatron backend's too)."""
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, m in layers.items():
-        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().cpu().contiguous()
-        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().cpu().contiguous()
+    for name, (a, b) in adapters.items():
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.detach().cpu().contiguous()
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.detach().cpu().contiguous()
     save_file(tensors, path / ADAPTER_WEIGHTS)
-    some = next(iter(layers.values()))
     (path / ADAPTER_CONFIG).write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": some.rank,
-        "lora_alpha": some.alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
+        "lora_alpha": alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
         "fan_in_fan_out": False, "inference_mode": True}, indent=2))
+
+
+def read_peft(path: Path, modules: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(A, B) by HF module path from a `write_peft` directory; a ValueError when there are no adapters
+    there or they are not those of `modules`."""
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"{path}: no {ADAPTER_WEIGHTS}, so no LoRA adapters: a checkpoint of full weights (a run "
+                         "without train.lora) resumes without train.lora; a LoRA run starts from model.path")
+    tensors = load_file(path / ADAPTER_WEIGHTS)
+    expected = {f"{PEFT_PREFIX}{n}.lora_{x}.weight" for n in modules for x in "AB"}
+    if set(tensors) != expected:
+        raise ValueError(f"{path / ADAPTER_WEIGHTS}: its adapters are not this model's train.lora layers "
+                         f"({len(tensors)} tensors, {len(expected)} expected)")
+    return {n: (tensors[f"{PEFT_PREFIX}{n}.lora_A.weight"], tensors[f"{PEFT_PREFIX}{n}.lora_B.weight"])
+            for n in modules}
 
 
 @torch.no_grad()
 def load_adapters(layers: dict[str, LoraLinear], path: Path) -> None:
     """Adapters saved by `save_adapters` back into `layers`; a ValueError when they do not fit."""
-    if not (path / ADAPTER_WEIGHTS).is_file():
-        raise ValueError(f"{path}: no {ADAPTER_WEIGHTS}, so no LoRA adapters: a checkpoint of full weights (a run "
-                         "without train.lora) resumes without train.lora; a LoRA run starts from model.path")
-    tensors = load_file(path / ADAPTER_WEIGHTS)
-    expected = {f"{PEFT_PREFIX}{n}.lora_{x}.weight" for n in layers for x in "AB"}
-    if set(tensors) != expected:
-        raise ValueError(f"{path / ADAPTER_WEIGHTS}: its adapters are not this model's train.lora layers "
-                         f"({len(tensors)} tensors, {len(expected)} expected)")
-    for name, m in layers.items():
-        m.lora_A.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])
-        m.lora_B.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"])
+    for name, (a, b) in read_peft(path, list(layers)).items():
+        layers[name].lora_A.copy_(a)
+        layers[name].lora_B.copy_(b)

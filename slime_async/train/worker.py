@@ -115,7 +115,7 @@ def out_of_memory_message(cfg: Config, exc: BaseException) -> str:
     fixes = [f"lower train.micro_batch_size (now {t.micro_batch_size}) or train.max_seq_len (now {t.max_seq_len})"]
     if t.backend == "megatron" and not t.megatron.recompute_activations:
         fixes.append("set train.megatron.recompute_activations")
-    if t.lora is None and t.backend == "torch":
+    if t.lora is None:
         fixes.append("train adapters alone (train.lora)")
     fixes.append("or leave the trainer more of the device (an engine on the same GPU holds the rest; "
                  "sync.release_memory gives it back while the trainer steps)")

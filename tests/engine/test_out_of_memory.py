@@ -102,5 +102,6 @@ def test_the_trainers_message_names_the_settings_of_its_memory() -> None:
     line = out_of_memory_message(cfg, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.27 GiB\nmore"))
     assert line.startswith("trainer: out of memory (megatron backend, model tiny in float32 on cuda): lower "
                            "train.micro_batch_size (now 64) or train.max_seq_len (now 4096), set "
-                           "train.megatron.recompute_activations, or leave the trainer more of the device")
+                           "train.megatron.recompute_activations, train adapters alone (train.lora), or leave "
+                           "the trainer more of the device")
     assert line.endswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 9.27 GiB") and "\n" not in line

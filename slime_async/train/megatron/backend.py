@@ -19,6 +19,10 @@ train step, recomputation) routes each token to the experts the engine chose, to
 record by the model itself (`moe_router.py`). The router losses (`train.moe`) are added to the step's
 loss, weighted by each micro-batch's share of the batch's real tokens, and logged as `moe/aux_loss`
 and `moe/z_loss` (means over layers).
+
+LoRA (`train.lora`, `megatron/lora.py`): adapters per HF module inside Megatron's fused layers, the
+base frozen and out of the optimizer; the engines get the adapted modules' merged weights under HF
+names, and checkpoints hold the adapters alone in peft's format (as the torch backend's).
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from slime_async.config.schema import MegatronConfig, MoeConfig
+from slime_async.config.schema import LoraConfig, MegatronConfig, MoeConfig
 from slime_async.sync.megatron_names import Geometry
+from slime_async.train import lora as peft
 from slime_async.train.backend import DEFAULT_OPTIMIZER, Logprobs, LossFn, OptimizerSettings, StepResult, metric_floats
 from slime_async.train.batch import Batch
 from slime_async.train.fused_logprobs import fused_logprobs
+from slime_async.train.megatron import lora as L
 from slime_async.train.megatron import wgrad_fusion
 from slime_async.train.megatron.cpu_compat import cpu_megatron
 from slime_async.train.megatron.logprobs import vocab_parallel_logprobs
@@ -78,6 +84,7 @@ class MegatronBackend:
         reference: bool = False,
         parallel: MegatronConfig | None = None,
         moe: MoeConfig | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         from transformers import AutoConfig
 
@@ -99,12 +106,15 @@ class MegatronBackend:
             raise ValueError(f"model.path: cannot read a transformers config from {model_path}: {exc}") from None
         self.shape = ModelShape.from_hf(hf_config, cfg.tensor_parallel, cfg.vocab_multiple)
         self.shape.check_parallel(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.expert_parallel)
+        self.lora = lora
+        if lora is not None:
+            self._check_lora(lora, cfg)
         self.moe = moe or MoeConfig()
         self.vocab_size = self.shape.vocab_size
         self.micro_batch_size = micro_batch_size
         self.params_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         self.export_dtype = self.params_dtype
-        self.attention = self._attention(cfg.attention)
+        self.attention = self._attention(cfg.attention, lora is not None)
         self.grouped_experts = cfg.moe_grouped_gemm
         self.fused_logprobs = cfg.fused_logprobs and self.on_gpu  # Inductor's CPU path would need a compiler
         with self._compat():
@@ -119,7 +129,9 @@ class MegatronBackend:
                 self.shape, tensor_parallel=self.layout.tp, pipeline_parallel=self.layout.pp,
                 dtype=self.params_dtype, on_gpu=self.on_gpu, recompute=cfg.recompute_activations,
                 expert_parallel=self.layout.ep,
-                wgrad_fusion=cfg.wgrad_fusion and self.on_gpu and wgrad_fusion.enable(str(self.device)))
+                # (not under LoRA: the frozen base weights have no gradient to accumulate)
+                wgrad_fusion=cfg.wgrad_fusion and self.on_gpu and lora is None
+                and wgrad_fusion.enable(str(self.device)))
             self.routes: RouteFeed | None = None
             self._local_export: LocalExport | None = None  # built at the first export (`named_weights`)
             self.route_width = self.shape.moe.route_width if self.shape.moe and self.moe.routing_replay else None
@@ -133,8 +145,14 @@ class MegatronBackend:
                                         self.moe.z_loss_coef, self.device, sequence_parallel=sp)
             weights = HFWeights(self.model_path)
             module = self._build(weights, self.routes)
-            # the reference routes itself (no replay), as in the torch backend
+            # the reference routes itself (no replay), as in the torch backend; under LoRA it is the base model
+            # (the adapters start at B = 0)
             self.reference = self._build(weights, None).eval().requires_grad_(False) if reference else None
+            self.lora_layers = L.apply_lora(
+                module, lora.target_modules, lora.rank, lora.alpha, self.geometry, self.layout,
+                self.shape.hidden_size, self.shape.ffn_hidden_size) if lora is not None else {}
+            self.num_trainable = L.adapter_parameters(self.lora_layers) if lora is not None else None
+            """Adapter parameters of the whole model under LoRA (None: every weight trains)."""
             opt_args: dict[str, Any] = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                             weight_decay=optim.weight_decay, grad_clip=optim.grad_clip)
             self.optimizer: StepOptimizer
@@ -155,12 +173,29 @@ class MegatronBackend:
     def _compat(self):  # -> context manager
         return cpu_megatron(not self.on_gpu)
 
-    def _attention(self, asked: str) -> AttentionKind:
-        if asked == "auto":
-            return "te" if self.on_gpu and te_available() else "sdpa"
+    def _attention(self, asked: str, lora: bool) -> AttentionKind:
+        if asked == "auto":  # LoRA: Transformer Engine's layers fuse the norm into linear_qkv/linear_fc1
+            return "te" if self.on_gpu and te_available() and not lora else "sdpa"
+        if asked == "te" and lora:
+            raise ValueError("train.megatron.attention: te fuses the layer norm into linear_qkv and linear_fc1, whose "
+                             "LoRA adapters (train.lora) need the normalised input; use sdpa")
         if asked == "local" and not self.on_gpu:
             raise ValueError("train.megatron.attention: local (Megatron's unfused attention) needs a GPU; use sdpa")
         return asked  # type: ignore[return-value]
+
+    def _check_lora(self, lora: LoraConfig, cfg: MegatronConfig) -> None:
+        """ValueErrors naming `train.lora` for what the megatron backend's adapters do not cover."""
+        L.check_targets(lora.target_modules)
+        if cfg.pipeline_parallel > 1:
+            raise ValueError("train.lora: the megatron backend's adapters run with one pipeline stage; set "
+                             "train.megatron.pipeline_parallel: 1")
+        if self.shape.moe is not None:
+            raise ValueError(f"train.lora: the megatron backend adapts dense models, not {self.shape.model_type}'s "
+                             "experts; use train.backend: torch")
+        if self.shape.num_kv_heads % cfg.tensor_parallel:
+            raise ValueError(f"train.lora: train.megatron.tensor_parallel {cfg.tensor_parallel} must divide the "
+                             f"{self.shape.num_kv_heads} key/value heads (each rank's q/k/v adapters hold whole "
+                             "query groups)")
 
     def _build(self, weights: HFWeights, routes: RouteFeed | None) -> torch.nn.Module:
         model = build_gpt_model(self.shape, self.config, self.attention, pre_process=self.layout.first_stage,
@@ -377,12 +412,31 @@ class MegatronBackend:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF tensor once (a tied lm_head under the embedding's name), in the export dtype, on this
-        rank's device. Collective: every rank of the trainer must iterate it to the end."""
+        rank's device. Collective: every rank of the trainer must iterate it to the end. Under LoRA: the
+        adapted modules' merged weights (and their biases) only, as the torch backend's; nothing else changes."""
+        if self.lora_layers:
+            return L.merged_weights(self.module, self.lora_layers, self.geometry, self.layout, self.export_dtype)
         if self.layout.tp == self.layout.pp == self.layout.ep == 1:  # the whole model here: no collective
             if self._local_export is None:
                 self._local_export = LocalExport(self.module, self.geometry)
             return self._local_export(self.export_dtype)
         return export_hf(self.module, self.geometry, self.layout, self.export_dtype)
+
+    def adapters(self, grad: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(A, B) by HF module path, whole (`grad`: their gradients). Collective."""
+        return {name: (a, b) for name, a, b in L.adapters(self.lora_layers, grad)}
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """The HF module paths of the adapters, in the torch backend's order."""
+        return [L.hf_path(key, m) for key, lora in self.lora_layers.items() for m in lora.targets]
+
+    def set_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Set every adapter from whole (A, B) by HF module path (a peft checkpoint's, `peft.read_peft`)."""
+        for key, lora in self.lora_layers.items():
+            for m in lora.targets:
+                a, b = adapters[L.hf_path(key, m)]
+                lora.set_whole(m, a.to(self.device), b.to(self.device))
 
     def _layout_record(self) -> dict[str, int]:
         record = {"tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp,
@@ -394,12 +448,19 @@ class MegatronBackend:
         return record
 
     def save(self, path: Path) -> None:
-        """A HF directory (written by rank 0; engines can load it), each rank's optimizer state, and the
-        parallel sizes (the optimizer state loads back only into the same sizes)."""
+        """A HF directory (written by rank 0; engines can load it), or under LoRA the adapters alone in
+        peft's format; each rank's optimizer state, and the parallel sizes (the optimizer state loads back
+        only into the same sizes)."""
         path.mkdir(parents=True, exist_ok=True)
         rank0 = self.layout.rank == 0
-        save_hf_dir(self.named_weights(), self.model_path, path, write=rank0)
-        if self.reference is not None:
+        if self.lora is not None:  # the adapters alone (peft's format); the base is `model.path`
+            whole = self.adapters()
+            if rank0:
+                peft.write_peft(whole, path, str(self.model_path), self.lora.rank, self.lora.alpha,
+                                self.lora.target_modules)
+        else:
+            save_hf_dir(self.named_weights(), self.model_path, path, write=rank0)
+        if self.reference is not None and self.lora is None:  # under LoRA the reference is model.path
             save_hf_dir(export_hf(self.reference, self.geometry, self.layout, self.export_dtype), self.model_path,
                         path / "reference", write=rank0)
         with self._compat():
@@ -415,7 +476,13 @@ class MegatronBackend:
             raise ValueError(f"checkpoint {path}: saved with parallel sizes {record}, this trainer runs "
                              f"{self._layout_record()}; its optimizer state cannot be resharded")
         with self._compat():
-            load_hf(self.module, HFWeights(path), self.geometry, self.layout)
+            if self.lora is not None:
+                self.set_adapters(peft.read_peft(path, list(self.adapter_names)))
+            elif (path / peft.ADAPTER_WEIGHTS).is_file() and not (path / "config.json").is_file():
+                raise ValueError(f"{path}: LoRA adapters, not full weights: this run was trained with train.lora "
+                                 "and resumes with it")
+            else:
+                load_hf(self.module, HFWeights(path), self.geometry, self.layout)
             self.optimizer.load(path, self.layout)
             if self.reference is not None and (path / "reference").is_dir():
                 load_hf(self.reference, HFWeights(path / "reference"), self.geometry, self.layout)

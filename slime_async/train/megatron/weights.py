@@ -62,15 +62,15 @@ _STACKED = {"weight1": "linear_fc1.weight", "weight2": "linear_fc2.weight"}
 
 def global_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name with global layer and expert numbers, parameter) of this stage's model; empty placeholders
-    (which some Transformer Engine layers register for absent biases) are skipped. A grouped layer's
-    stacked expert weight comes as one view per expert under SequentialMLP's name for that expert
-    (writing into the view writes the parameter), with the matching view of its gradient as `.grad`,
-    so every caller sees one tensor per expert whichever experts module the model runs."""
+    (which some Transformer Engine layers register for absent biases) and LoRA adapters are skipped. A
+    grouped layer's stacked expert weight comes as one view per expert under SequentialMLP's name for
+    that expert (writing into the view writes the parameter), with the matching view of its gradient as
+    `.grad`, so every caller sees one tensor per expert whichever experts module the model runs."""
     local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
     experts = {i: layer.mlp.local_expert_indices for i, layer in enumerate(model.decoder.layers)
                if hasattr(layer.mlp, "local_expert_indices")}
     for name, param in model.named_parameters():
-        if param.numel() == 0:
+        if param.numel() == 0 or ".lora." in name:  # LoRA adapters (`megatron.lora`) have no HF weight
             continue
         if m := re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name):
             local, rest = int(m.group(1)), m.group(2)
