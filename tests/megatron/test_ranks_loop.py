@@ -241,3 +241,25 @@ def test_an_unreachable_engine_ends_both_ranks_with_rank_0s_error(
     assert has(ranks[1], "rank 0 stopped the run: PublishGaveUp: sync.give_up_after=1"), logs(ranks)
     assert time.monotonic() - started < 120
     assert trap.requests == []
+
+
+def test_lora_ranks_publish_the_merged_layers_and_resume_from_the_adapters(
+        tmp_path: Path, tiny_model_dir: Path, engine: ChildProcess, buffer: str, trap: Trap) -> None:
+    """Tensor parallelism 2 with `train.lora`: the loop publishes the merged adapted layers from rank 0,
+    checkpoints hold the adapters (peft's format, written whole by rank 0) and each rank's optimizer
+    state, and a restart resumes from them."""
+    feed(buffer, 3 * BATCH)
+    lora = {"rank": 4, "alpha": 8.0}
+    ranks = start_ranks(write_config(tmp_path, tiny_model_dir, 2, train__steps=2, train__lora=lora), buffer,
+                        engine.url, trap)
+    assert wait_exit(ranks, 150) == [0, 0], logs(ranks)
+    assert engine_version(engine.url) == 2 and trap.requests == []
+    ckpt = tmp_path / "runs" / "ranks" / "checkpoints" / "step_00000002" / "model"
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "megatron.json", "optimizer_tp00_pp00_dp000.pt",
+        "optimizer_tp01_pp00_dp000.pt"]
+    again = start_ranks(write_config(tmp_path, tiny_model_dir, 2, train__steps=3, train__lora=lora), buffer,
+                        engine.url, trap)
+    assert wait_exit(again, 150) == [0, 0], logs(again)
+    assert has(again[0], "READY version=2 resumed=True") and has(again[1], "DONE version=3 rank=1"), logs(again)
+    assert engine_version(engine.url) == 3 and balanced(buffer)["trained"] == 3 * BATCH

@@ -154,9 +154,12 @@ def _gather(t: torch.Tensor, dim: int, layout: Layout) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _add_update(module: nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
+def _add_update(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: tuple[torch.Tensor, Any]
+                ) -> tuple[torch.Tensor, Any]:
+    """The forward hook: the layer's (output, bias) with the adapters' update added to the output."""
     out, bias = output
-    return out + module.lora.delta(args[0]), bias  # type: ignore[operator]
+    x = args[0] if args else kwargs["input_"]  # Megatron's linear layers take `input_`
+    return out + module.lora.delta(x), bias  # type: ignore[operator]
 
 
 def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, geo: names.Geometry, layout: Layout,
@@ -175,7 +178,7 @@ def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, ge
             linear = layer.get_submodule(fused)
             param = linear.weight
             linear.lora = MegatronLora(fused, targets, sizes, rank, alpha, geo, layout, param.dtype, param.device)
-            linear.register_forward_hook(_add_update)
+            linear.register_forward_hook(_add_update, with_kwargs=True)
             found[f"model.layers.{layer.layer_number - 1}|{fused}"] = linear.lora
     return found
 
