@@ -410,8 +410,9 @@ class DistillConfig(_Section):
 
 class LoraConfig(_Section):
     """LoRA (`slime_async.train.lora`): low-rank adapters on the named linear layers train, everything
-    else is frozen; checkpoints hold only the adapters (peft's format), and the engines get the merged
-    weights of the adapted layers (`W + alpha / rank * B A`). Torch backend only."""
+    else is frozen; checkpoints hold only the adapters (peft's format). The engines get the merged
+    weights of the adapted layers (`W + alpha / rank * B A`), or, where they load adapters themselves
+    (vLLM), the adapters (`sync.adapters`). Torch backend only."""
 
     rank: PositiveInt = 8
     """Rank r of each adapter (A is [r, in], B is [out, r])."""
@@ -744,10 +745,10 @@ class Config(_Section):
         if self.train.lora is not None and self.train.backend != "torch":
             raise ValueError("train.lora: LoRA adapters train on the torch backend only (the megatron backend "
                              "has no adapters yet); use train.backend: torch, or leave train.lora out")
-        # a LoRA run pushes only the adapted layers' merged weights: engines must keep the rest
-        if self.train.lora is not None and self.engine.kind == "vllm":
-            raise ValueError("train.lora: vLLM reloads a whole checkpoint from disk and a LoRA run publishes only "
-                             "the adapted layers; use engine.kind embedded or sglang")
+        # vLLM loads the adapters themselves (sync.adapters), up to its largest --max-lora-rank
+        if self.train.lora is not None and self.engine.kind == "vllm" and self.train.lora.rank > 512:
+            raise ValueError(f"train.lora.rank: {self.train.lora.rank} is more than vLLM serves (--max-lora-rank "
+                             "is at most 512)")
         if self.train.lora is not None and self.sync.release_memory:
             raise ValueError("train.lora: with sync.release_memory an engine gives its weights back and takes them "
                              "all from the next push, and a LoRA run pushes only the adapted layers; set "

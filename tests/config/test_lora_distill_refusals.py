@@ -17,7 +17,7 @@ def test_a_lora_run_loads_with_the_embedded_engine() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "field"), [
-    (["engine.kind=vllm", "sync.mode=disk"], "vLLM reloads a whole checkpoint"),
+    (["engine.kind=vllm", "sync.mode=disk", "train.lora.rank=600"], "at most 512"),
     (["sync.release_memory=true"], "sync.release_memory"),
     (["train.backend=megatron"], "torch backend only"),
 ])
