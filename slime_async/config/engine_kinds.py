@@ -46,6 +46,14 @@ class EngineKind:
     """Fields `/update_weight_version` takes besides `new_version`."""
     tied_head_by_name: bool = False
     """Whether a disk push must write a tied LM head out under its own name (vLLM's reload leaves it stale)."""
+    lora_adapters: bool = False
+    """Whether a LoRA run (`train.lora`) publishes the adapters themselves, which the engine loads and
+    applies (vLLM's `/v1/load_lora_adapter`), instead of the merged weights of the adapted layers.
+    vLLM's in-place reload reads whole checkpoints only, and adapters are a few percent of the bytes."""
+
+
+ADAPTER_NAME = "policy"
+"""The name an engine serves the trained LoRA adapters under: requests ask for it as their model."""
 
 
 _SGLANG_MODES = ("tensor", "disk", "nccl")
@@ -58,7 +66,7 @@ ENGINE_KINDS: dict[str, EngineKind] = {
         sync_note="vLLM's own weight transfer is CUDA IPC or NCCL",
         release_memory=False, sglang_router=False, remote_admin=False, routed_experts=False,
         version_route="/weight_info", pause_route="/pause?mode=keep", pause_body=MappingProxyType({}),
-        resume_route="/resume", version_stamp=MappingProxyType({}), tied_head_by_name=True,
+        resume_route="/resume", version_stamp=MappingProxyType({}), tied_head_by_name=True, lora_adapters=True,
     ),
 }
 

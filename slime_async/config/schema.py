@@ -410,9 +410,10 @@ class DistillConfig(_Section):
 
 class LoraConfig(_Section):
     """LoRA (`slime_async.train.lora`): low-rank adapters on the named linear layers train, everything
-    else is frozen; checkpoints hold only the adapters (peft's format), and the engines get the merged
-    weights of the adapted layers (`W + alpha / rank * B A`). Torch and megatron backends (megatron:
-    dense models, one pipeline stage; `slime_async.train.megatron.lora` says what else)."""
+    else is frozen; checkpoints hold only the adapters (peft's format). The engines get the merged
+    weights of the adapted layers (`W + alpha / rank * B A`), or, where they load adapters themselves
+    (vLLM), the adapters (`sync.adapters`). Torch and megatron backends (megatron: dense models, one
+    pipeline stage; `slime_async.train.megatron.lora` says what else)."""
 
     rank: PositiveInt = 8
     """Rank r of each adapter (A is [r, in], B is [out, r])."""
@@ -742,10 +743,10 @@ class Config(_Section):
     """vLLM's server and its arguments for `engine.kind: vllm`."""
 
     def __post_init__(self) -> None:
-        # a LoRA run pushes only the adapted layers' merged weights: engines must keep the rest
-        if self.train.lora is not None and self.engine.kind == "vllm":
-            raise ValueError("train.lora: vLLM reloads a whole checkpoint from disk and a LoRA run publishes only "
-                             "the adapted layers; use engine.kind embedded or sglang")
+        # vLLM loads the adapters themselves (sync.adapters), up to its largest --max-lora-rank
+        if self.train.lora is not None and self.engine.kind == "vllm" and self.train.lora.rank > 512:
+            raise ValueError(f"train.lora.rank: {self.train.lora.rank} is more than vLLM serves (--max-lora-rank "
+                             "is at most 512)")
         if self.train.lora is not None and self.sync.release_memory:
             raise ValueError("train.lora: with sync.release_memory an engine gives its weights back and takes them "
                              "all from the next push, and a LoRA run pushes only the adapted layers; set "

@@ -71,8 +71,8 @@ async def eval_rounds(cfg: Config, suites: list[EvalSuite], engines: list[str], 
     due = 0
     rounds = 0
     log_out = MetricsLog(out, cfg.log, out.parent, cfg.run.name, writer_name="eval")
-    async with aiohttp.ClientSession() as session, engine_client(cfg.engine.kind, engines,
-                                                                  admin_token=cfg.engine.admin_token) as client:
+    async with aiohttp.ClientSession() as session, engine_client(
+            cfg.engine.kind, engines, admin_token=cfg.engine.admin_token, lora=cfg.train.lora is not None) as client:
         while not stop.is_set():
             version = await engine_version(session, engines, client.VERSION)
             if version is not None and (once or (every > 0 and version >= due)):

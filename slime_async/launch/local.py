@@ -34,7 +34,7 @@ from slime_async.engine.protocol import PENDING_VERSION  # what a replacement en
 from slime_async.launch.health import wait_healthy
 from slime_async.launch.process import start_process
 from slime_async.launch.sglang_command import preflight, router_argv, sglang_argv
-from slime_async.launch.vllm_command import set_vllm_version, vllm_argv
+from slime_async.launch.vllm_command import load_vllm_adapter, set_vllm_version, vllm_argv
 from slime_async.rundir.run_log import append_event
 from slime_async.types.oom import OUT_OF_MEMORY_EXIT
 
@@ -270,6 +270,14 @@ class LocalLauncher:
         child = self.spawn(f"engine-{i}", argv, None, health_url=f"http://{HOST}:{PORT}", port=port,
                            own_group=True)  # its engine-core and worker processes go with it
         set_vllm_version(child.url, version)  # vLLM starts at "default"; it has no flag for it
+        lora = self.cfg.train.lora
+        if lora is not None:  # the adapters the requests ask for: zero (the base model) until the first push
+            zero = self.run_dir / "lora-zero"
+            if not (zero / "adapter_config.json").is_file():
+                from slime_async.train.lora import save_zero_adapters  # torch: only in a LoRA run
+
+                save_zero_adapters(self.model_dir, lora.rank, lora.alpha, lora.target_modules, zero)
+            load_vllm_adapter(child.url, zero)
         return child
 
     def _start_router(self, restarts: int) -> Child:

@@ -13,17 +13,23 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from slime_async.config import Config
+from slime_async.config.engine_kinds import ADAPTER_NAME
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _VENV = ".venv-vllm/bin/python"
 _OWNED = frozenset({"model", "host", "port", "seed", "dtype", "max_num_seqs", "enable_scale_out",
                     "logprobs_mode", "served_model_name"})
 """Arguments the launcher sets; the `vllm.args` section may not."""
+_LORA_OWNED = frozenset({"enable_lora", "max_lora_rank", "max_loras", "lora_modules"})
+"""Set by the launcher too in a LoRA run (`train.lora`), which serves the trained adapters."""
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32's `--max-lora-rank` takes (`vllm.config.lora.MaxLoRARanks`)."""
 
 MIN_VERSION = (0, 32)
 """The token-in/token-out route with `weight_versions` spans and the in-place reload came with 0.32."""
@@ -56,16 +62,26 @@ def vllm_python(cfg: Config) -> str:
 def vllm_argv(cfg: Config, *, model_path: str, host: str, port: int | str, index: int) -> list[str]:
     """The command of engine `index`. Dev mode (`VLLM_SERVER_DEV_MODE=1`) opens the pause, reload
     and version routes that weight updates use; `--enable-scale-out` the token-in/token-out route;
-    `processed_logprobs` makes the reported logprob `log_softmax(logits / temperature)`."""
-    clash = sorted(_OWNED & set(cfg.vllm.args))
+    `processed_logprobs` makes the reported logprob `log_softmax(logits / temperature)`. A LoRA run
+    (`train.lora`) also opens the adapter routes (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`) and room for
+    one adapter of its rank: `load_vllm_adapter` loads the first, the publisher each next one."""
+    lora = cfg.train.lora
+    clash = sorted((_OWNED | (_LORA_OWNED if lora else frozenset())) & set(cfg.vllm.args))
     if clash:
-        raise ValueError(f"vllm.args.{clash[0]}: set by the launcher (from model.path, engine.*, run.seed); "
-                         "remove it from vllm.args")
+        raise ValueError(f"vllm.args.{clash[0]}: set by the launcher (from model.path, engine.*, run.seed, "
+                         "train.lora); remove it from vllm.args")
     owned: dict[str, Any] = {
         "model": model_path, "host": host, "port": port, "seed": cfg.run.seed + index, "dtype": cfg.model.dtype,
         "max_num_seqs": cfg.engine.max_batch_size, "enable_scale_out": True, "logprobs_mode": "processed_logprobs",
     }
-    argv = ["env", "VLLM_SERVER_DEV_MODE=1", vllm_python(cfg), "-m", SERVER_MODULE]
+    env = ["VLLM_SERVER_DEV_MODE=1"]
+    if lora is not None:
+        rank = next((r for r in _LORA_RANKS if r >= lora.rank), None)
+        if rank is None:
+            raise ValueError(f"train.lora.rank: {lora.rank} is more than vLLM serves (--max-lora-rank <= 512)")
+        owned |= {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+        env.append("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+    argv = ["env", *env, vllm_python(cfg), "-m", SERVER_MODULE]
     for name, value in {**owned, **cfg.vllm.args}.items():
         argv += flag_args(name, value)
     return argv
@@ -98,11 +114,25 @@ def check_with_vllm(argv: list[str]) -> None:
                          "check the vllm.args section against the installed vLLM")
 
 
+def load_vllm_adapter(url: str, path: Path) -> None:
+    """Load the LoRA adapters at `path` (peft's format) into a freshly started vLLM under
+    `ADAPTER_NAME`, which a LoRA run's requests ask for: the zero adapters (the base model) until the
+    trainer's pushes replace them in place (`sync.adapters`)."""
+    _post(url, "/v1/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": str(path.resolve())})
+
+
 def set_vllm_version(url: str, version: str) -> None:
     """Stamp the weight version a freshly started vLLM reports (`0`, or `pending` for a replacement
     that the trainer has not brought up to date yet: the rollout client uses no tokens of it)."""
-    request = urllib.request.Request(url + "/update_weight_version", json.dumps({"new_version": version}).encode(),
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        if response.status != 200:
-            raise RuntimeError(f"{url}/update_weight_version: HTTP {response.status}")
+    _post(url, "/update_weight_version", {"new_version": version})
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> None:
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status, text = response.status, ""
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode(errors="replace")[-500:]
+    if status != 200:
+        raise RuntimeError(f"{url}{path}: HTTP {status}: {text}")

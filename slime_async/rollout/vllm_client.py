@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from slime_async.config.engine_kinds import Dialect, engine_kind
+from slime_async.config.engine_kinds import ADAPTER_NAME, Dialect, engine_kind
 from slime_async.rollout.client import BadResponse, SGLangClient
 from slime_async.types.arrays import LOGPROB_DTYPE, TOKEN_DTYPE
 
@@ -103,6 +103,12 @@ class VLLMClient(SGLangClient):
     LOAD = "/metrics"
     """vLLM has no `/v1/loads`: its Prometheus gauges `vllm:num_requests_running` and `..._waiting`."""
 
+    def __init__(self, urls: list[str], *, adapter: str | None = None, **kwargs: Any) -> None:
+        super().__init__(urls, **kwargs)
+        self.adapter = adapter
+        """The LoRA adapter every request asks for by name (a LoRA run: `config.engine_kinds.ADAPTER_NAME`),
+        or None for the served model itself."""
+
     def _parse_load(self, raw: bytes) -> tuple[int, int, int | None]:
         found = {"running": 0.0, "waiting": 0.0}
         seen = set()
@@ -117,8 +123,11 @@ class VLLMClient(SGLangClient):
               routed_from: int | None = None) -> bytes:
         if routed_from is not None:  # the worker turns replay off for vLLM engines; never sent
             raise ValueError("train.moe.routing_replay: vLLM does not report routed experts")
-        return _ENCODER.encode({"token_ids": input_ids, "sampling_params": vllm_sampling(sampling_params),
-                                "request_id": rid, "output_mode": "tokens"})
+        body = {"token_ids": input_ids, "sampling_params": vllm_sampling(sampling_params), "request_id": rid,
+                "output_mode": "tokens"}
+        if self.adapter is not None:  # base + the trained adapter (vLLM picks a LoRA by its name as the model)
+            body["model"] = self.adapter
+        return _ENCODER.encode(body)
 
     def _abort_body(self, rid: str) -> dict[str, Any]:
         # vLLM serves the request as `generate-tokens-<request_id>` and aborts by that name only
@@ -161,6 +170,10 @@ CLIENTS: dict[Dialect, type[SGLangClient]] = {"sglang": SGLangClient, "vllm": VL
 """The rollout client of each HTTP dialect (`config.engine_kinds.EngineKind.dialect`)."""
 
 
-def engine_client(kind: str, urls: list[str], **kwargs: Any) -> SGLangClient:
-    """The rollout client for `engine.kind` (`embedded` and `sglang` speak SGLang's API)."""
-    return CLIENTS[engine_kind(kind).dialect](urls, **kwargs)
+def engine_client(kind: str, urls: list[str], *, lora: bool = False, **kwargs: Any) -> SGLangClient:
+    """The rollout client for `engine.kind` (`embedded` and `sglang` speak SGLang's API). `lora`: a
+    LoRA run (`train.lora`); where the engines load the adapters themselves, requests ask for them."""
+    found = engine_kind(kind)
+    if lora and found.lora_adapters:
+        kwargs["adapter"] = ADAPTER_NAME
+    return CLIENTS[found.dialect](urls, **kwargs)

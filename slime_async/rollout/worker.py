@@ -133,7 +133,8 @@ async def run_worker(config_path: str, buffer: str, engines: list[str], worker: 
                          "train.distill.urls)")
     async with contextlib.AsyncExitStack() as stack:
         client = await stack.enter_async_context(
-            engine_client(cfg.engine.kind, engines, admin_token=cfg.engine.admin_token))
+            engine_client(cfg.engine.kind, engines, admin_token=cfg.engine.admin_token,
+                          lora=cfg.train.lora is not None))
         sender = await stack.enter_async_context(
             AsyncSender(buffer, name=f"rollout-{worker}", curve_dir=cfg.buffer.curve_dir))
         sink: Sink = BufferSink(sender)

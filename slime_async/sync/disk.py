@@ -21,11 +21,13 @@ WEIGHTS_FILE = "model.safetensors"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
-def write_version(root: Path, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> Path:
-    """Write `root/v<version>/model.safetensors` atomically and return the directory.
+def write_version(root: Path, version: int, named: Iterable[tuple[str, torch.Tensor]], *,
+                  weights_file: str = WEIGHTS_FILE, extra: dict[str, str] | None = None) -> Path:
+    """Write `root/v<version>/<weights_file>` (and the text files `extra`) atomically and return the
+    directory.
 
-    The file is written and fsynced in a temporary directory next to it, which is then renamed:
-    an engine told to load `v<version>` finds either nothing or the whole file.
+    The files are written and fsynced in a temporary directory next to it, which is then renamed:
+    an engine told to load `v<version>` finds either nothing or all of it.
     """
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"v{version}"
@@ -33,10 +35,13 @@ def write_version(root: Path, version: int, named: Iterable[tuple[str, torch.Ten
     tmp.mkdir()
     try:
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in named}
-        path = tmp / WEIGHTS_FILE
+        path = tmp / weights_file
         save_file(tensors, str(path), metadata={"format": "pt", "weight_version": str(version)})
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fd:
+                os.fsync(fd.fileno())
         if final.exists():  # the same version written again (a resumed run): replace it whole
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -33,7 +33,8 @@ import msgspec
 import torch
 
 from slime_async.config.engine_kinds import engine_kind as engine_kind_of
-from slime_async.config.schema import SyncConfig
+from slime_async.config.schema import LoraConfig, SyncConfig
+from slime_async.sync.adapters import prepare_adapters
 from slime_async.sync.disk import prepare_disk, prune_versions
 from slime_async.sync.push import NamedWeights, Prepared, PushError
 from slime_async.sync.tensor import prepare_tensor
@@ -71,6 +72,8 @@ class WeightPublisher:
         admin_token: str | None = None,
         engine_tp_size: int = 1,
         engine_kind: str = "sglang",
+        lora: LoraConfig | None = None,
+        base_model: str = "",
     ) -> None:
         if not urls:
             raise ValueError("sync: no engine URLs to publish weights to")
@@ -84,6 +87,11 @@ class WeightPublisher:
                              f"set sync.mode: {self.kind.sync_modes[0]}")
         self.urls = [u.rstrip("/") for u in urls]
         self.cfg = cfg
+        self.adapters = lora if lora is not None and self.kind.lora_adapters else None
+        """A LoRA run's adapters go to these engines as adapters (`sync.adapters`): the weights
+        given to `publish` are then the adapters under peft's names."""
+        self.base_model = base_model
+        """The model the adapters apply to (`adapter_config.json`'s `base_model_name_or_path`)."""
         self.disk_dir = disk_dir
         self.engine_tp_size = engine_tp_size
         """SGLang reads item `tp_rank` of `serialized_named_tensors`: a shared push sends one per rank."""
@@ -273,6 +281,8 @@ class WeightPublisher:
             return await prepare_tensor(self, weights, version, limit, self._no_shared)
         if mode == "disk":
             assert self.disk_dir is not None
+            if self.adapters is not None:
+                return await prepare_adapters(self, weights, version, self.disk_dir, self.adapters, self.base_model)
             return await prepare_disk(self, weights, version, self.disk_dir)
         if mode == "nccl":
             from slime_async.sync.nccl import NcclBroadcaster, prepare_nccl

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slime_async.config.engine_kinds import engine_kind
 from slime_async.config.schema import Config
 from slime_async.sync.publisher import WeightPublisher
 from slime_async.train.backend import OptimizerSettings, TrainerBackend
@@ -20,8 +21,11 @@ def build_backend(config: Config, model_path: str | Path | None = None) -> Train
 
     tc = config.train
     path = model_path if model_path is not None else resolve_model_path(config.model.path)
+    # an engine that loads adapters itself (vLLM) is sent them instead of merged weights
+    adapters = tc.lora is not None and engine_kind(config.engine.kind).lora_adapters
     common = dict(device=config.model.device, dtype=config.model.dtype, optim=OptimizerSettings.from_config(tc),
-                  micro_batch_size=tc.micro_batch_size, reference=tc.kl_coef > 0, moe=tc.moe)
+                  micro_batch_size=tc.micro_batch_size, reference=tc.kl_coef > 0, moe=tc.moe, lora=tc.lora,
+                  publish_adapters=adapters)
     if tc.backend == "megatron":
         if tc.lr_warmup_steps:
             raise ValueError("train.lr_warmup_steps: the megatron backend has no learning-rate warm-up yet; use 0")
@@ -30,10 +34,10 @@ def build_backend(config: Config, model_path: str | Path | None = None) -> Train
         except ImportError as exc:
             raise ValueError(f"train.backend: megatron needs megatron-core (pip install 'slime-async[megatron]'): "
                              f"{exc}") from None
-        return MegatronBackend(path, parallel=tc.megatron, lora=tc.lora, **common)  # type: ignore[arg-type]
+        return MegatronBackend(path, parallel=tc.megatron, **common)  # type: ignore[arg-type]
     from slime_async.train.torch_backend import TorchBackend
 
-    return TorchBackend(path, warmup_steps=tc.lr_warmup_steps, lora=tc.lora, **common)  # type: ignore[arg-type]
+    return TorchBackend(path, warmup_steps=tc.lr_warmup_steps, **common)  # type: ignore[arg-type]
 
 
 def run_dir(config: Config) -> Path:
@@ -44,7 +48,8 @@ def build_publisher(config: Config, engine_urls: list[str]) -> WeightPublisher:
     disk_dir = Path(config.sync.disk_dir) if config.sync.disk_dir else run_dir(config) / "weights"
     tp = (getattr(config.sglang, "tp_size", None) or 1) if config.engine.kind == "sglang" else 1
     return WeightPublisher(engine_urls, config.sync, disk_dir=disk_dir, admin_token=config.engine.admin_token,
-                           engine_tp_size=tp, engine_kind=config.engine.kind)
+                           engine_tp_size=tp, engine_kind=config.engine.kind, lora=config.train.lora,
+                           base_model=str(config.model.path))
 
 
 def build_trainer(

@@ -13,7 +13,9 @@ that is 80 lines here. The adapters are still saved in peft's format (`adapter_c
 
 The engines get the merged weights, W + (alpha / rank) B A, under the base model's names, and only
 those of the targeted layers: nothing else ever changes, and an engine (re)started on the base model
-already holds the rest.
+already holds the rest. An engine that loads adapters itself (vLLM's LoRA routes:
+`config.engine_kinds.EngineKind.lora_adapters`) gets the adapters instead (`adapter_tensors`), a few
+percent of the merged bytes.
 """
 
 from __future__ import annotations
@@ -27,10 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-"""peft's names for a causal LM's adapters: `base_model.model.<module path>.lora_A.weight`."""
+from slime_async.sync.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_config
 
 
 class LoraLinear(nn.Module):
@@ -90,6 +89,13 @@ def merged_weights(layers: dict[str, LoraLinear]) -> Iterator[tuple[str, torch.T
             yield f"{path}.bias", m.base.bias.detach()
 
 
+def adapter_tensors(layers: dict[str, LoraLinear]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(peft's name, tensor) of every adapter: `base_model.model.<module path>.lora_A.weight`, `lora_B`."""
+    for name, m in layers.items():
+        yield f"{PEFT_PREFIX}{name}.lora_A.weight", m.lora_A.detach()
+        yield f"{PEFT_PREFIX}{name}.lora_B.weight", m.lora_B.detach()
+
+
 def save_adapters(layers: dict[str, LoraLinear], path: Path, base_model: str, targets: list[str]) -> None:
     """The adapters in peft's format: `adapter_model.safetensors` and `adapter_config.json`."""
     some = next(iter(layers.values()))
@@ -106,10 +112,23 @@ def write_peft(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], path: Pat
         tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.detach().cpu().contiguous()
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.detach().cpu().contiguous()
     save_file(tensors, path / ADAPTER_WEIGHTS)
-    (path / ADAPTER_CONFIG).write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
-        "lora_alpha": alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
-        "fan_in_fan_out": False, "inference_mode": True}, indent=2))
+    (path / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(rank, alpha, targets, base_model), indent=2))
+
+
+def save_zero_adapters(model_dir: Path, rank: int, alpha: float, targets: list[str], path: Path) -> None:
+    """Adapters of `model_dir`'s model that change nothing (A and B zero), in peft's format: what an
+    engine that loads adapters serves before the trainer's first push. The trainer's own start
+    (B zero) computes the same function, so version 0 is the base model either way. The model is
+    built on the meta device: shapes only, no weights read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    layers = apply_lora(model, rank, alpha, targets)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({name: torch.zeros(t.shape, dtype=torch.float32) for name, t in adapter_tensors(layers)},
+              path / ADAPTER_WEIGHTS)
+    (path / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(rank, alpha, targets, str(model_dir)), indent=2))
 
 
 def read_peft(path: Path, modules: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -64,6 +64,7 @@ class TorchBackend:
         warmup_steps: int = 0,
         moe: MoeConfig | None = None,
         lora: LoraConfig | None = None,
+        publish_adapters: bool = False,
     ) -> None:
         from transformers.utils import logging as hf_logging
 
@@ -96,6 +97,8 @@ class TorchBackend:
         # there is one, is the base model: the adapters start at B = 0, so it is the initial policy)
         self.lora = lora
         self.lora_layers = L.apply_lora(self.model, lora.rank, lora.alpha, lora.target_modules) if lora else {}
+        self.publish_adapters = publish_adapters and bool(self.lora_layers)
+        """The engines load adapters (vLLM): `named_weights` gives the adapters, not merged weights."""
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.num_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -230,6 +233,10 @@ class TorchBackend:
     # --- weights and state ----------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.publish_adapters:  # the adapters themselves, under peft's names (`sync.adapters`)
+            for name, tensor in L.adapter_tensors(self.lora_layers):
+                yield name, tensor.to(self.export_dtype)
+            return
         if self.lora_layers:  # only the adapted layers change: their merged weights, under the base names
             for name, weight in L.merged_weights(self.lora_layers):
                 yield name, weight.to(self.export_dtype)

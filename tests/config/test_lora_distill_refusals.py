@@ -18,7 +18,7 @@ def test_a_lora_run_loads_with_the_embedded_engine(backend: str) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "field"), [
-    (["engine.kind=vllm", "sync.mode=disk"], "vLLM reloads a whole checkpoint"),
+    (["engine.kind=vllm", "sync.mode=disk", "train.lora.rank=600"], "at most 512"),
     (["sync.release_memory=true"], "sync.release_memory"),
 ])
 def test_lora_refuses_what_would_lose_the_frozen_weights(overrides: list[str], field: str) -> None:

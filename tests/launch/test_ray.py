@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,20 +94,28 @@ def test_embedded_default_runs_with_every_part_a_ray_actor(cluster: None, tmp_pa
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
-def test_a_vllm_engine_runs_as_a_ray_actor(cluster: None, tmp_path: Path) -> None:
+def test_a_vllm_engine_runs_as_a_ray_actor_and_serves_a_lora_run_s_adapters(cluster: None, tmp_path: Path) -> None:
     from slime_async.launch.train_run import train
 
-    # eager: vLLM's graph capture (the config's default, kept by tests/vllm) costs 20-50 s a start
+    # eager: vLLM's graph capture (the config's default, kept by tests/vllm) costs 20-50 s a start.
+    # LoRA: the engine loads the launcher's zero adapters, then each step's adapters, by name
     cfg = load_config(REPO / "configs/local_vllm.yaml", [*SMALL, f"run.dir={tmp_path}", "train.steps=3",
                                                           "vllm.args.max_model_len=512", "vllm.args.enforce_eager=true",
-                                                          "rollout.max_staleness=0"])
+                                                          "rollout.max_staleness=0", "train.lora={rank: 8}",
+                                                          "train.lr=1e-2"])
     summary = train(cfg, overwrite=True, console=Console(file=io.StringIO()), ray="")
     run = tmp_path / "local_vllm"
     records = metrics(run)
     assert [m["version"] for m in records] == [1, 2, 3]
-    assert all(m["max_abs_dp"] < 1e-3 for m in records)  # every update reached vLLM (eta 0)
+    assert all(m["max_abs_dp"] < 1e-3 for m in records), [m["max_abs_dp"] for m in records]  # eta 0: agree
+    assert all(m["publish_bytes"] == records[0]["publish_bytes"] < 1_000_000 for m in records)  # adapters alone
     assert summary["parts"]["engine-0"].startswith("actor local_vllm.engine-0")
-    assert "vllm.entrypoints.openai.api_server" in (run / "logs" / "engine-0.log").read_text().splitlines()[0]
+    log = (run / "logs" / "engine-0.log").read_text()
+    assert "vllm.entrypoints.openai.api_server" in log.splitlines()[0]
+    # vLLM's own words: the zero adapters at its start, then each step's (what it serves is checked against
+    # the trainer's model in tests/vllm/test_vllm_client.py)
+    loaded = re.findall(r"Loaded new LoRA adapter: name 'policy', path '([^']+)'", log)
+    assert [Path(p).name for p in loaded] == ["lora-zero", "v1", "v2", "v3"], loaded
 
 
 def test_killed_engine_rollout_and_trainer_actors_are_replaced_and_the_run_completes(

@@ -112,6 +112,13 @@ def test_one_step_equals_the_torch_backends_lora(family: str, targets: list[str]
         torch.testing.assert_close(w, v, atol=1e-4, rtol=0, msg=name)
     biases = 2 * 3 if family == "qwen2" else 0
     assert len(mine) == 2 * len(targets) + biases
+    # to engines that load adapters themselves (vLLM): the adapters, under the torch backend's peft names
+    be.publish_adapters = ref.publish_adapters = True
+    mine, theirs = list(be.named_weights()), list(ref.named_weights())
+    assert [n for n, _ in mine] == [n for n, _ in theirs] and len(mine) == 2 * 2 * len(targets)
+    assert all(n.startswith("base_model.model.model.layers.") and ".lora_" in n for n, _ in mine)
+    for (name, w), (_, v) in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(w, v, atol=LR / 10, rtol=0, msg=name)
 
 
 def test_checkpoints_are_peft_adapters_and_resume_exactly(family_dirs: dict[str, Path], tmp_path: Path) -> None:

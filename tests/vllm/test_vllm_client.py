@@ -17,11 +17,16 @@ from helpers import hf_greedy, perturbed
 from transformers import AutoModelForCausalLM
 from vllm_helpers import VLLMServer, vllm_config
 
+from slime_async.launch.vllm_command import set_vllm_version
 from slime_async.rollout.client import EngineLoad, ServerError
 from slime_async.rollout.vllm_client import VLLMClient, engine_client, vllm_sampling
 from slime_async.sync import WeightPublisher
+from slime_async.train.torch_backend import TorchBackend
 
 pytestmark = pytest.mark.slow
+VLLM_OVERRIDES = ("train.lora={rank: 8}",)
+"""The server runs as in a LoRA run (adapter routes open, zero adapters loaded); requests that name no
+adapter get the base model, as in a run without LoRA."""
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -110,6 +115,41 @@ async def test_a_cancelled_request_is_aborted_on_the_server(vllm_server: VLLMSer
     assert await metric(vllm_server.url, "vllm:num_requests_running") == 0
     # it did not run to its end: no request finished with 480 tokens in the meantime
     assert await metric(vllm_server.url, "vllm:request_success_total") == before
+
+
+async def test_a_lora_run_s_adapters_are_served_by_name_and_replaced_in_place(
+        vllm_server: VLLMServer, reference: torch.nn.Module, tmp_path: Path) -> None:
+    # the server runs with a LoRA config's command (VLLM_OVERRIDES) and the launcher's zero adapters
+    cfg = vllm_config(*VLLM_OVERRIDES)
+    assert cfg.train.lora is not None
+    backend = TorchBackend(vllm_server.model_dir, lora=cfg.train.lora, publish_adapters=True)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # as training moves them (B starts at zero: the base model)
+        for layer in backend.lora_layers.values():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.05)
+    adapted = backend.model.eval()
+    greedy = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    try:
+        async with engine_client("vllm", [vllm_server.url], lora=True) as client, WeightPublisher(
+                [vllm_server.url], cfg.sync, disk_dir=tmp_path, engine_kind="vllm", lora=cfg.train.lora,
+                base_model=str(vllm_server.model_dir)) as pub:
+            before = await client.generate(PROMPT, greedy)  # the zero adapters: the base model
+            report = await pub.publish(backend.named_weights, 1)
+            after = await client.generate(PROMPT, greedy)
+            async with VLLMClient([vllm_server.url]) as plain:  # the base model, served beside it
+                base = await plain.generate(PROMPT, greedy)
+    finally:
+        set_vllm_version(vllm_server.url, "0")  # as the other tests expect it
+    assert before.output_ids.tolist() == hf_greedy(reference, PROMPT, 12) == base.output_ids.tolist()
+    assert not report.failed and report.updated == [vllm_server.url]
+    # only the adapters travelled: rank 8 on every projection, a few percent of the model
+    adapters = sum(t.numel() * 4 for _, t in backend.named_weights())
+    assert report.bytes == adapters and adapters < 0.06 * sum(p.numel() * 4 for p in reference.parameters())
+    assert (tmp_path / "v1" / "adapter_model.safetensors").is_file()
+    assert after.output_ids.tolist() == hf_greedy(adapted, PROMPT, 12) != before.output_ids.tolist()
+    assert after.versions.tolist() == [1] * 12
+    expected = hf_logprobs(adapted, PROMPT, after.output_ids.tolist(), 1.0)
+    assert torch.allclose(torch.from_numpy(after.logprobs), expected, atol=1e-3)
 
 
 async def test_weights_are_updated_in_place_and_a_request_spanning_it_has_both_versions(

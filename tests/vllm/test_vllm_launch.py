@@ -24,6 +24,17 @@ def test_the_command_passes_vllm_s_own_parser() -> None:
     check_with_vllm(command)
 
 
+def test_a_lora_run_opens_the_adapter_routes_with_room_for_its_rank() -> None:
+    command = argv("train.lora={rank: 12}")
+    assert command[:3] == ["env", "VLLM_SERVER_DEV_MODE=1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"]
+    assert "--enable-lora" in command and command[command.index("--max-loras") + 1] == "1"
+    assert command[command.index("--max-lora-rank") + 1] == "16"  # vLLM takes 8, 16, 32...: the next one up
+    check_with_vllm(command)
+    assert "--enable-lora" not in argv() and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" not in argv()
+    with pytest.raises(ValueError, match=r"vllm.args.max_lora_rank: set by the launcher"):
+        argv("train.lora={rank: 8}", "vllm.args.max_lora_rank=64")
+
+
 def test_a_misspelled_argument_fails_with_vllm_s_own_words() -> None:
     with pytest.raises(ValueError, match=r"unrecognized arguments: --max-model-lenght.*vllm.args"):
         check_with_vllm(argv("vllm.args.max_model_lenght=9"))

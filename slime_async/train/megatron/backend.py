@@ -85,6 +85,7 @@ class MegatronBackend:
         parallel: MegatronConfig | None = None,
         moe: MoeConfig | None = None,
         lora: LoraConfig | None = None,
+        publish_adapters: bool = False,
     ) -> None:
         from transformers import AutoConfig
 
@@ -109,6 +110,8 @@ class MegatronBackend:
         self.lora = lora
         if lora is not None:
             self._check_lora(lora, cfg)
+        self.publish_adapters = publish_adapters and lora is not None
+        """The engines load adapters (vLLM): `named_weights` gives the adapters, not merged weights."""
         self.moe = moe or MoeConfig()
         self.vocab_size = self.shape.vocab_size
         self.micro_batch_size = micro_batch_size
@@ -413,7 +416,11 @@ class MegatronBackend:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF tensor once (a tied lm_head under the embedding's name), in the export dtype, on this
         rank's device. Collective: every rank of the trainer must iterate it to the end. Under LoRA: the
-        adapted modules' merged weights (and their biases) only, as the torch backend's; nothing else changes."""
+        adapted modules' merged weights (and their biases) only, as the torch backend's; nothing else changes
+        (to engines that load adapters: the adapters, whole, under peft's names)."""
+        if self.publish_adapters:
+            return ((f"{peft.PEFT_PREFIX}{name}.lora_{x}.weight", t.to(self.export_dtype))
+                    for name, a, b in L.adapters(self.lora_layers) for x, t in (("A", a), ("B", b)))
         if self.lora_layers:
             return L.merged_weights(self.module, self.lora_layers, self.geometry, self.layout, self.export_dtype)
         if self.layout.tp == self.layout.pp == self.layout.ep == 1:  # the whole model here: no collective
