@@ -704,6 +704,10 @@ class RayConfig(_Section):
     buffer: RoleResources = msgspec.field(default_factory=lambda: RoleResources(cpus=1.0))
     router: RoleResources = msgspec.field(default_factory=lambda: RoleResources(cpus=1.0))
     eval: RoleResources = msgspec.field(default_factory=lambda: RoleResources(cpus=1.0))
+    teacher: RoleResources = msgspec.field(default_factory=lambda: RoleResources(cpus=1.0, gpus=1))
+    """On-policy distillation's teacher (an embedded engine on `train.distill.model`, unless
+    `train.distill.urls` attaches to running ones): a bundle of its own in either layout (the trainer
+    never pushes to it, so it has no reason to share the trainer's GPUs). On CPU: `gpus: 0`."""
 
 
 class LaunchConfig(_Section):

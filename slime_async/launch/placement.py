@@ -1,8 +1,8 @@
 """Placement groups per role, and which GPUs each part's process may use.
 
 One placement group per role reserves what `launch.ray` asks for: a bundle per trainer rank, per
-engine, per rollout worker, one for the buffer (and the router and the evaluation worker when
-there are any). Layouts:
+engine, per rollout worker, one for the buffer (and the router, the evaluation worker and the
+distillation teacher when there are any). Layouts:
 
 - disaggregated: trainer ranks and engines have bundles (and GPUs) of their own;
 - colocated: engines have no group of their own; engine i runs in the trainer's bundles
@@ -20,7 +20,7 @@ from typing import Any
 
 from slime_async.config import Config, ConfigError
 
-ROLES = ("buffer", "engine", "router", "eval", "trainer", "rollout")
+ROLES = ("buffer", "engine", "router", "eval", "trainer", "rollout", "teacher")
 
 
 @dataclass
@@ -62,6 +62,7 @@ def counts(cfg: Config, with_trainer: bool = True) -> dict[str, int]:
         "eval": 1 if cfg.data.eval and cfg.data.eval_every > 0 else 0,
         "trainer": cfg.train.world_size if with_trainer else 0,
         "rollout": cfg.rollout.num_workers,
+        "teacher": int(cfg.train.distilling and not cfg.train.distill.urls),
     }
 
 

@@ -73,10 +73,6 @@ class RayLauncher(LocalLauncher):
         if cfg.train.world_size > 1 and cfg.train.backend == "torch":
             raise ConfigError(f"train.world_size={cfg.train.world_size}: the torch backend trains on one rank; "
                               "use train.backend=megatron for more")
-        if cfg.train.distilling and not cfg.train.distill.urls:
-            raise ConfigError("train.distill.urls: under --ray the launcher does not start the teacher (it has no "
-                              "placement for it yet); serve train.distill.model yourself (`slime-async serve`, or "
-                              "an SGLang server) and give its URLs here")
         r = cfg.launch.ray
         host = r.host or HOST
         run = Path(cfg.run.dir).resolve()
@@ -93,11 +89,15 @@ class RayLauncher(LocalLauncher):
         model = cfg.model.path
         if not Path(model).is_absolute():
             model = str(resolve_model_path(model))  # `tiny` and relative paths: this node's (shared storage)
+        distill = cfg.train.distill
+        if distill.model is not None and not Path(distill.model).is_absolute():  # the teacher's likewise
+            distill = msgspec.structs.replace(distill, model=str(resolve_model_path(distill.model)))
         token = cfg.engine.admin_token or (None if cfg.engine.urls else secrets.token_hex(16))
         return msgspec.structs.replace(
             cfg,
             run=msgspec.structs.replace(cfg.run, dir=str(run)),
             model=msgspec.structs.replace(cfg.model, path=model),
+            train=msgspec.structs.replace(cfg.train, distill=distill),
             engine=msgspec.structs.replace(cfg.engine, host=host, admin_token=token),
             buffer=msgspec.structs.replace(cfg.buffer, endpoint=endpoint, curve_dir=f"{SECRETS}/curve"),
             # the trainer's NCCL rendezvous for weight broadcasts: its own node (filled in by its actor)

@@ -1,13 +1,12 @@
-"""What the launcher does for `train.distill`: the live view's teacher line, and Ray's refusal to start
-a teacher it has no placement for."""
+"""What the launcher does for `train.distill`: the live view's teacher line, and Ray's placement of the
+teacher it starts (a Ray run with a teacher actor: `tests/launch/test_ray.py`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from slime_async.config import ConfigError, load_config
+from slime_async.config import load_config
+from slime_async.launch.placement import bundles, counts
 from slime_async.launch.ray_launcher import RayLauncher
 from slime_async.launch.train_run import distill_line
 
@@ -25,11 +24,15 @@ def test_the_live_view_states_what_the_teacher_scored_and_missed() -> None:
                                          "KL term), 1 retries")
 
 
-def test_ray_mode_asks_for_the_teachers_urls(tmp_path: Path, tiny_model_dir: Path) -> None:
-    cfg = load_config(REPO / "configs/local.yaml", [f"train.distill.model={tiny_model_dir}", f"run.dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"^train\.distill\.urls: under --ray"):
-        RayLauncher(cfg, tmp_path / "c.yaml", tmp_path)._part_config(cfg)
-    attached = load_config(REPO / "configs/local.yaml", [f"train.distill.model={tiny_model_dir}",
+def test_ray_mode_places_the_teacher_it_starts_and_none_it_attaches_to(tmp_path: Path) -> None:
+    cfg = load_config(REPO / "configs/local.yaml", ["train.distill.model=tiny", f"run.dir={tmp_path}",
+                                                    "launch.ray.teacher.gpus=0"])
+    part = RayLauncher(cfg, tmp_path / "c.yaml", tmp_path)._part_config(cfg)
+    assert part.train.distill.model is not None and Path(part.train.distill.model).is_absolute()  # any node's
+    assert (Path(part.train.distill.model) / "config.json").is_file()
+    assert counts(cfg)["teacher"] == 1 and bundles(cfg)["teacher"] == [{"CPU": 1.0}]
+    attached = load_config(REPO / "configs/local.yaml", ["train.distill.model=tiny",
                                                          "train.distill.urls=[http://127.0.0.1:9]",
                                                          f"run.dir={tmp_path}"])
-    assert RayLauncher(attached, tmp_path / "c.yaml", tmp_path)._part_config(attached).train.distill.urls
+    assert counts(attached)["teacher"] == 0 and bundles(attached)["teacher"] == []
+    assert counts(load_config(REPO / "configs/local.yaml"))["teacher"] == 0  # not distilling

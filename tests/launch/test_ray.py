@@ -77,13 +77,18 @@ def metrics(run: Path) -> list[dict]:
 def test_embedded_default_runs_with_every_part_a_ray_actor(cluster: None, tmp_path: Path) -> None:
     from slime_async.launch.train_run import train
 
-    cfg = small_config(tmp_path, "train.steps=3")
+    # distilling from a teacher (the tiny model again: what it scores is not the point here) that the
+    # launcher starts as an actor of its own
+    cfg = small_config(tmp_path, "train.steps=3", "train.distill.model=tiny", "launch.ray.teacher.gpus=0",
+                       "launch.ray.teacher.cpus=0.25")
     summary = train(cfg, overwrite=True, console=Console(file=io.StringIO()), ray="")
     run = tmp_path / "local"
     assert [m["version"] for m in metrics(run)] == [1, 2, 3]
     assert metrics(run)[0]["ratio_min"] == pytest.approx(1.0, abs=1e-5)  # on-policy first step
-    assert set(summary["parts"]) == {"buffer", "engine-0", "trainer", "rollout-0"}
+    assert set(summary["parts"]) == {"buffer", "engine-0", "trainer", "rollout-0", "teacher"}
     assert all(where.startswith("actor local.") for where in summary["parts"].values())
+    books = summary["rollout"][0]["distill"]  # the worker asked the teacher's actor for every trajectory
+    assert books["scored"] >= 24 and books.get("teacher_unavailable", 0) == 0, books
     b = summary["buffer"]
     assert b["received"] == b["trained"] + b["buffered"] + b["dropped_total"] and b["trained"] >= 24
     logs = run / "logs"
