@@ -40,6 +40,10 @@ class EngineKind:
     pause_route: str = "/pause_generation"
     pause_body: MappingProxyType[str, Any] = field(default_factory=lambda: MappingProxyType({"mode": "in_place"}))
     """How a weight push pauses it: requests in flight stay where they are, with their KV cache."""
+    abort_pause_route: str = "/pause_generation"
+    abort_pause_body: MappingProxyType[str, Any] = field(default_factory=lambda: MappingProxyType({"mode": "abort"}))
+    """How a push pauses it under `rollout.partial_mode: abort`: requests in flight end with their partial
+    output (finish reason `abort`), which the rollout client resends as the prompt of their rest."""
     resume_route: str = "/continue_generation"
     version_stamp: MappingProxyType[str, Any] = field(
         default_factory=lambda: MappingProxyType({"abort_all_requests": False}))
@@ -66,6 +70,7 @@ ENGINE_KINDS: dict[str, EngineKind] = {
         sync_note="vLLM's own weight transfer is CUDA IPC or NCCL",
         release_memory=False, sglang_router=False, remote_admin=False, routed_experts=False,
         version_route="/weight_info", pause_route="/pause?mode=keep", pause_body=MappingProxyType({}),
+        abort_pause_route="/pause?mode=abort", abort_pause_body=MappingProxyType({}),
         resume_route="/resume", version_stamp=MappingProxyType({}), tied_head_by_name=True, lora_adapters=True,
     ),
 }

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import msgspec
@@ -74,6 +74,7 @@ class WeightPublisher:
         engine_kind: str = "sglang",
         lora: LoraConfig | None = None,
         base_model: str = "",
+        partial_mode: Literal["in_place", "abort"] = "in_place",
     ) -> None:
         if not urls:
             raise ValueError("sync: no engine URLs to publish weights to")
@@ -92,6 +93,10 @@ class WeightPublisher:
         given to `publish` are then the adapters under peft's names."""
         self.base_model = base_model
         """The model the adapters apply to (`adapter_config.json`'s `base_model_name_or_path`)."""
+        self.pause_how = ((self.kind.abort_pause_route, dict(self.kind.abort_pause_body)) if partial_mode == "abort"
+                          else (self.kind.pause_route, dict(self.kind.pause_body)))
+        """`rollout.partial_mode`: requests in flight at a push go on under the new weights (in place) or
+        end there with their partial output, which the rollout client resends (abort)."""
         self.disk_dir = disk_dir
         self.engine_tp_size = engine_tp_size
         """SGLang reads item `tp_rank` of `serialized_named_tensors`: a shared push sends one per rank."""
@@ -155,9 +160,10 @@ class WeightPublisher:
         return await self._post(url, path, body)
 
     async def pause(self, url: str) -> None:
-        """Pause one engine for a push (in place: its kind's `pause_route`) and remember it:
+        """Pause one engine for a push (in place, or aborting what runs: `pause_how`) and remember it:
         `_push_with_retries` lets it go on once the push is whole (see the module's docstring)."""
-        await self._post(url, self.kind.pause_route, dict(self.kind.pause_body))
+        route, body = self.pause_how
+        await self._post(url, route, body)
         self._paused.add(url)
 
     async def engine_version(self, url: str) -> int | None:

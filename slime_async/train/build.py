@@ -49,7 +49,7 @@ def build_publisher(config: Config, engine_urls: list[str]) -> WeightPublisher:
     tp = (getattr(config.sglang, "tp_size", None) or 1) if config.engine.kind == "sglang" else 1
     return WeightPublisher(engine_urls, config.sync, disk_dir=disk_dir, admin_token=config.engine.admin_token,
                            engine_tp_size=tp, engine_kind=config.engine.kind, lora=config.train.lora,
-                           base_model=str(config.model.path))
+                           base_model=str(config.model.path), partial_mode=config.rollout.partial_mode)
 
 
 def build_trainer(

@@ -3,6 +3,7 @@ retries, all-or-nothing pushes, and the NCCL endpoints' refusal by the embedded 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import re
 import threading
@@ -13,9 +14,11 @@ import aiohttp
 import pytest
 import torch
 from engine_helpers import PROMPT, engine_greedy, get, hf_greedy, perturbed
+from helpers import wait_for_tokens
 from transformers import AutoModelForCausalLM
 
 from slime_async.config.schema import SyncConfig
+from slime_async.rollout.client import SGLangClient
 from slime_async.sync import WeightPublisher
 from slime_async.sync.buckets import bucket_named_tensors
 from slime_async.sync.disk import prune_versions, write_version
@@ -73,6 +76,31 @@ async def test_tensor_mode_in_buckets_changes_output_exactly(engine, base, other
         assert info["internal_states"][0]["paused"] is False  # resumed after the bucketed push
         report = await pub.publish(weights_of(base), 2)
         assert await engine_greedy(engine.url, PROMPT) == (before, "2")
+
+
+@pytest.mark.parametrize("partial_mode", ["in_place", "abort"])
+async def test_a_request_spanning_a_push_goes_on_in_place_or_is_aborted_and_resumed(
+        engine, base, other, partial_mode: str) -> None:  # fmt: skip
+    # rollout.partial_mode: in place, the request keeps its KV cache (old weights) and decodes on; abort,
+    # it ends with its partial output and the client resends that as the prompt of its rest, prefilled
+    # under the new weights
+    ids = PROMPT
+    async with SGLangClient([engine.url]) as client, WeightPublisher(
+            [engine.url], fast(), partial_mode=partial_mode) as pub:  # type: ignore[arg-type]
+        call = asyncio.ensure_future(client.generate(ids, {"max_new_tokens": 200, "temperature": 0.0,
+                                                           "ignore_eos": True}))
+        await wait_for_tokens(engine.url)
+        report = await pub.publish(weights_of(other), 7)
+        gen = await asyncio.wait_for(call, 120)
+        await pub.publish(weights_of(base), 8)
+    assert not report.failed and report.updated == [engine.url]
+    tokens, versions = gen.output_ids.tolist(), gen.versions.tolist()
+    k = versions.index(7)
+    assert 0 < k < 200 and len(set(versions[:k])) == 1 and set(versions[k:]) == {7} and len(tokens) == 200
+    assert tokens[:k] == hf_greedy(base, ids, k)
+    assert gen.resumed == (partial_mode == "abort")
+    if partial_mode == "abort":  # the rest is the new model's greedy continuation of prompt + partial output
+        assert tokens[k:] == hf_greedy(other, ids + tokens[:k], 200 - k)
 
 
 async def test_disk_mode(engine, base, other, tmp_path: Path) -> None:

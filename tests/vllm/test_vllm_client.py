@@ -175,6 +175,27 @@ async def test_weights_are_updated_in_place_and_a_request_spanning_it_has_both_v
     assert client.latest_version == 3
 
 
+async def test_in_abort_mode_a_request_spanning_a_push_ends_there_and_is_resumed_on_the_new_weights(
+        vllm_server: VLLMServer, reference: torch.nn.Module, tmp_path: Path) -> None:
+    # rollout.partial_mode: abort (after the test above: vLLM serves `other`, seed 7, at version 3); the
+    # push puts the reference weights back
+    other = perturbed(AutoModelForCausalLM.from_pretrained(vllm_server.model_dir), seed=7).eval()
+    async with VLLMClient([vllm_server.url]) as client, WeightPublisher(
+            [vllm_server.url], vllm_config().sync, disk_dir=tmp_path, engine_kind="vllm", partial_mode="abort") as pub:
+        long = asyncio.ensure_future(client.generate(PROMPT, {"max_new_tokens": 200, "temperature": 0.0,
+                                                              "ignore_eos": True}))
+        await wait_running(vllm_server.url)
+        report = await pub.publish(reference.named_parameters, 4)
+        spanning = await long
+    assert not report.failed and report.updated == [vllm_server.url]
+    tokens, versions = spanning.output_ids.tolist(), spanning.versions.tolist()
+    k = versions.index(4)
+    assert spanning.resumed == 1 and len(tokens) == 200 and k > 0
+    assert set(versions[:k]) == {3} and set(versions[k:]) == {4}
+    assert tokens[:k] == hf_greedy(other, PROMPT, k)
+    assert tokens[k:] == hf_greedy(reference, PROMPT + tokens[:k], 200 - k)  # prefilled again, new weights
+
+
 async def test_a_dead_server_fails_the_call_with_its_url(vllm_server: VLLMServer) -> None:
     # last in the module: it stops the server
     vllm_server.process.stop()
