@@ -106,14 +106,21 @@ def start_process(name: str, argv: list[str], ready_pattern: str | None, timeout
 
     `env` adds to (and overrides) this process's environment. The child gets `parent_death_signal`
     when this process dies. With `own_group` it leads a new process group, which goes with it
-    (`ChildProcess._reap`): for servers that start processes of their own (vLLM). Raises RuntimeError
-    naming the part, with the tail of its output, if it exits or stays silent past `timeout`.
+    (`ChildProcess._reap`): for servers that start processes of their own (vLLM). It then runs under
+    `group_guard`, which leads the group, gets SIGTERM when this process dies and ends the whole group
+    (a parent-death signal reaches only a direct child: vLLM's engine core outlived its API server).
+    Raises RuntimeError naming the part, with the tail of its output, if it exits or stays silent past
+    `timeout`.
     """
     log_file: IO[str] | None = None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = log_path.open("a")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    command = argv
+    if own_group:  # the guard must catch its parent's death to end the group: SIGTERM, whatever was asked
+        command = [sys.executable, "-m", "slime_async.launch.group_guard", *argv]
+        parent_death_signal = signal.SIGTERM
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=functools.partial(_die_with_parent, parent_death_signal),
                             env={**os.environ, **env} if env else None, cwd=cwd,
                             process_group=0 if own_group else None)

@@ -16,6 +16,10 @@ from slime_async.launch.vllm_command import SERVER_MODULE
 pytestmark = pytest.mark.slow
 
 
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def process_group_members(pgid: int) -> list[int]:
     """Pids whose process group is `pgid` (field 5 of /proc/PID/stat)."""
     members = []
@@ -44,9 +48,10 @@ def test_vllm_serves_a_run_takes_every_weight_update_and_a_killed_one_is_replace
     metrics_path = run / "metrics.jsonl"
     try:
         wait_for_steps(proc, metrics_path, 2)
-        (server,) = [p for p in processes_mentioning(SERVER_MODULE)
-                     if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(proc.pid)]
-        assert len(process_group_members(server)) >= 3  # the API server, its engine core and its worker
+        # the launcher's child is the group guard (`launch.group_guard`); the API server is its child
+        (guard,) = [p for p in processes_mentioning(SERVER_MODULE) if parent(p) == proc.pid]
+        (server,) = [p for p in processes_mentioning(SERVER_MODULE) if parent(p) == guard]
+        assert len(process_group_members(guard)) >= 4  # the guard, the API server, its engine core, its worker
         os.kill(server, signal.SIGKILL)  # as the kernel's OOM killer would
         out, _ = proc.communicate(timeout=600)
     finally:
@@ -54,7 +59,7 @@ def test_vllm_serves_a_run_takes_every_weight_update_and_a_killed_one_is_replace
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, out[-3000:]
-    assert process_group_members(server) == []  # no orphaned engine core holding its memory
+    assert process_group_members(guard) == []  # no orphaned engine core holding its memory
     summary = json.loads((run / "summary.json").read_text())
     assert any("engine-0 died" in e for e in summary["events"]) and any("engine-0 restarted" in e for e in
                                                                         summary["events"])
