@@ -124,11 +124,16 @@ def save_zero_adapters(model_dir: Path, rank: int, alpha: float, targets: list[s
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    layers = apply_lora(model, rank, alpha, targets)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({name: torch.zeros(t.shape, dtype=torch.float32) for name, t in adapter_tensors(layers)},
-              path / ADAPTER_WEIGHTS)
-    (path / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(rank, alpha, targets, str(model_dir)), indent=2))
+    zeros = {name: (torch.zeros(m.lora_A.shape), torch.zeros(m.lora_B.shape))
+             for name, m in apply_lora(model, rank, alpha, targets).items()}
+    write_peft(zeros, path, str(model_dir), rank, alpha, targets)
+
+
+def refuse_adapters(path: Path) -> None:
+    """A ValueError when `path` holds LoRA adapters, not the full weights a run without LoRA resumes from."""
+    if (path / ADAPTER_WEIGHTS).is_file() and not (path / "config.json").is_file():
+        raise ValueError(f"{path}: LoRA adapters, not full weights: this run was trained with train.lora "
+                         "and resumes with it")
 
 
 def read_peft(path: Path, modules: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

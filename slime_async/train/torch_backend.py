@@ -263,9 +263,7 @@ class TorchBackend:
         if self.lora is not None:
             L.load_adapters(self.lora_layers, path)
         else:
-            if (path / L.ADAPTER_WEIGHTS).is_file() and not (path / "config.json").is_file():
-                raise ValueError(f"{path}: LoRA adapters, not full weights: this run was trained with train.lora "
-                                 "and resumes with it")
+            L.refuse_adapters(path)
             loaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype)
             self.model.load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,

@@ -485,10 +485,8 @@ class MegatronBackend:
         with self._compat():
             if self.lora is not None:
                 self.set_adapters(peft.read_peft(path, list(self.adapter_names)))
-            elif (path / peft.ADAPTER_WEIGHTS).is_file() and not (path / "config.json").is_file():
-                raise ValueError(f"{path}: LoRA adapters, not full weights: this run was trained with train.lora "
-                                 "and resumes with it")
             else:
+                peft.refuse_adapters(path)
                 load_hf(self.module, HFWeights(path), self.geometry, self.layout)
             self.optimizer.load(path, self.layout)
             if self.reference is not None and (path / "reference").is_dir():
