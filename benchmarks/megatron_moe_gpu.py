@@ -17,7 +17,9 @@ expert width (8 x 768 = 6144): the parameters a MoE token computes with, bar the
   (the bf16 matmul rate measured on the H200, docs/measured.md). The step's router losses are logged
   (`moe/aux_loss`: 1.0 is balanced; `moe/z_loss`). Rows: the grouped experts (the default,
   `train.megatron.moe_grouped_gemm`), routed by the model and with routing replay (every token's
-  experts given by a record, as an engine would report them); Megatron's SequentialMLP (a Python loop
+  experts given by a record, as an engine would report them), both dispatched by a sort on the device
+  (`train.megatron.moe_local_dispatch`); the same with Megatron's all-to-all dispatcher (which makes
+  the host wait for the GPU in every layer); Megatron's SequentialMLP (a Python loop
   over the experts, one step); the dense model. The headline's MoE/dense ratio is tokens/s x active
   parameters, MoE over dense (the active sizes differ by the router's 0.1%).
 - Engine decode (the embedded engine's `SlotModel`, 32 requests of 128-token prompts, one token each
@@ -34,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,7 +58,9 @@ CEILING_TFLOPS = 790.0  # bf16 matmul rate measured on the H200 (docs/measured.m
 DEVICE = "cuda"  # module constants, so that the CPU smoke test can shrink everything
 TRAIN_DTYPE = "bfloat16"
 SEQ = 4096
-SEQUENCES = 4
+SEQUENCES = int(os.environ.get("MOE_GPU_SEQUENCES", "4"))
+"""Sequences of SEQ tokens a train step (one micro-batch each). The optimizer updates every parameter
+(total, not active) once a step, so MFU on active parameters grows with the tokens a step."""
 LAYERS: int | None = None  # None: `layers_that_fit` the GPU
 MAX_LAYERS = 6
 BYTES_PER_PARAM = 18  # bf16 weight, fp32 gradient buffer, fp32 master weight, Adam's two fp32 moments
@@ -234,13 +239,14 @@ def _kernel(be: Any) -> str:
     return "torch._grouped_mm" if ok else "per-expert fallback"
 
 
-def _backend(model_dir: Path, grouped: bool = True) -> Any:
+def _backend(model_dir: Path, grouped: bool = True, local_dispatch: bool = True) -> Any:
     from slime_async.config.schema import MegatronConfig
     from slime_async.train.backend import OptimizerSettings
     from slime_async.train.megatron.backend import MegatronBackend
 
     return MegatronBackend(model_dir, device=DEVICE, dtype=TRAIN_DTYPE, micro_batch_size=1,  # type: ignore[arg-type]
-                           optim=OptimizerSettings(lr=1e-5), parallel=MegatronConfig(moe_grouped_gemm=grouped))
+                           optim=OptimizerSettings(lr=1e-5),
+                           parallel=MegatronConfig(moe_grouped_gemm=grouped, moe_local_dispatch=local_dispatch))
 
 
 def decode_rates(model_dir: Path) -> dict[bool, float]:
@@ -303,7 +309,7 @@ def _add(rows: list, row: list) -> None:
     print("row:", row, flush=True)
 
 
-PHASES = ("grouped", "sequential", "dense", "engine")
+PHASES = ("grouped", "alltoall", "sequential", "dense", "engine")
 """Each in its own process: Megatron keeps global state (parallel groups, buffers) that holds GPU memory
 after its backend is dropped, and an H100 holds one 4-layer MoE with its optimizer state, not two (the
 SequentialMLP and dense rows ran out of memory in one process after the grouped one)."""
@@ -381,6 +387,9 @@ def _phase(name: str, tmp: Path, layers: int, steps: int) -> tuple[list, dict]:
             _train_rows(be, [("routed by the model", batch), ("routing replay", _replayed(batch, layers))], moe_flops,
                         steps, rows, details)
             _profile(be, batch, rows, details)
+        elif name == "alltoall":
+            _train_rows(_backend(moe_dir, local_dispatch=False),
+                        [("grouped, Megatron's all-to-all dispatcher", batch)], moe_flops, steps, rows, details)
         elif name == "sequential":
             _train_rows(_backend(moe_dir, grouped=False), [("SequentialMLP, routed by the model", batch)], moe_flops,
                         1, rows, details)
@@ -408,6 +417,7 @@ def _headline(layers: int, details: dict[str, Any]) -> str:
     train, decode = details["train"], details["decode"]
     moe, seq = train.get("routed by the model", {}), train.get("SequentialMLP, routed by the model", {})
     dense = train.get("dense, same active parameters", {})
+    alltoall = train.get("grouped, Megatron's all-to-all dispatcher", {})
     per_param = (moe.get("tok_s", nan) * details["active_params"]) / (
         dense.get("tok_s", nan) * details["dense_active_params"])
     moe_decode = max((v for k, v in decode.items() if k.startswith("MoE")), default=nan)
@@ -415,6 +425,7 @@ def _headline(layers: int, details: dict[str, Any]) -> str:
     return (f"MoE train step ({layers} Qwen3-30B-A3B layers, {details['params'] / 1e9:.2f}B params, "
             f"{details['active_params'] / 1e9:.2f}B active): {moe.get('tflops', nan):.0f} TFLOP/s = "
             f"{100 * moe.get('mfu', nan):.1f}% MFU on active parameters (goal >= 35%), "
+            f"{moe.get('tok_s', nan) / alltoall.get('tok_s', nan):.2f}x Megatron's all-to-all dispatcher, "
             f"{moe.get('tok_s', nan) / seq.get('tok_s', nan):.1f}x SequentialMLP; tokens/s x active parameters "
             f"MoE/dense {per_param:.2f}x (goal >= 0.7x); engine decode at {CONCURRENCY} requests MoE/dense "
             f"{moe_decode / dense_decode:.2f}x tokens/s (the faster step of each; goal >= 0.5x: within 2x)")

@@ -355,6 +355,11 @@ class MegatronConfig(_Section):
     False runs Megatron's `SequentialMLP`, a Python loop over the experts (for comparison). Same weights,
     names and values either way; the optimizer state is laid out differently, so a checkpoint resumes
     only with the setting it was saved with (the other is refused, naming this field)."""
+    moe_local_dispatch: bool = True
+    """MoE models with `expert_parallel: 1` and grouped experts: tokens reach their experts by one sort
+    on the device and come back by its inverse (`megatron/local_dispatch.py`), where False runs Megatron's
+    all-to-all dispatcher, which makes the host wait for the GPU in every MoE layer (for comparison).
+    Same results up to summation order; no state, so checkpoints resume under either setting."""
 
 
 class MoeConfig(_Section):

@@ -21,18 +21,20 @@ def test_moe_benchmark_runs_shrunk_on_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     decode = "engine decode, 32 requests"
     assert [r[:2] for r in result.rows] == [["train step", "routed by the model"], ["train step", "routing replay"],
                                            ["step profile (GPU ms)", "routed by the model"],
+                                           ["train step", "grouped, Megatron's all-to-all dispatcher"],
                                            ["train step", "SequentialMLP, routed by the model"],
                                            ["train step", "dense, same active parameters"],
                                            [decode, "MoE, eager step (grouped experts)"],
                                            [decode, "MoE, CUDA-graph step (all experts, zero-weighted)"],
                                            [decode, "dense, eager step"], [decode, "dense, CUDA-graph step"]]
-    for key in ("routed by the model", "routing replay", "SequentialMLP, routed by the model"):
+    for key in ("routed by the model", "routing replay", "grouped, Megatron's all-to-all dispatcher",
+                "SequentialMLP, routed by the model"):
         train = result.details["train"][key]
         assert train["tflops"] > 0 and train["metrics"]["moe/aux_loss"] > 0.5
     dense = result.details["train"]["dense, same active parameters"]
     assert dense["tflops"] > 0 and "moe/aux_loss" not in dense["metrics"]
     assert all(rate > 0 for rate in result.details["decode"].values()) and len(result.details["decode"]) == 4
-    assert "SequentialMLP" in result.headline and "MoE/dense" in result.headline
+    assert "SequentialMLP" in result.headline and "all-to-all" in result.headline and "MoE/dense" in result.headline
     assert result.details["grouped_kernel"] == "torch._grouped_mm"
     assert result.details["train"]["routing replay"]["metrics"]["moe/route_mismatch"] > 0.3
     # active parameters: 2 layers x (QKV 64 x (64 + 2 x 32), output 64 x 64, router 64 x 8, 2 experts x 3 x 64 x 32)

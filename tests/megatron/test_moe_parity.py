@@ -322,6 +322,60 @@ def test_the_router_is_set_in_either_form_of_megatrons_moe_spec() -> None:
     assert old.submodules.router is QwenRouter and new.keywords["submodules"].router is QwenRouter
 
 
+def assert_same_logprobs_and_step(got_be: MegatronBackend, want_be: MegatronBackend, batch: Batch,
+                                  replayed: Batch) -> None:
+    """Logprobs routed by the model and replayed, then one train step with replay and both router losses:
+    loss, metrics, the gradients of every expert and the weights after it (float32 rounding)."""
+    for b in (batch, replayed):
+        torch.testing.assert_close(got_be.logprobs(b, 0.7).logprobs, want_be.logprobs(b, 0.7).logprobs, atol=1e-6,
+                                   rtol=0)
+    obj = Objective(TrainConfig(loss="grpo", entropy_coef=0.01))
+    results = []
+    for be in (got_be, want_be):
+        prep = obj.prepare(replayed, be.logprobs(replayed, 1.0).logprobs)
+        results.append(be.train_step(replayed, obj.loss_fn(prep), 1.0, entropy=True))
+    got, want = results
+    assert got.applied and want.applied
+    assert got.loss == pytest.approx(want.loss, rel=1e-6, abs=1e-8)
+    assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-6)
+    assert got.metrics.keys() == want.metrics.keys() and want.metrics["moe/route_mismatch"] > 0.5
+    for k in want.metrics:
+        assert got.metrics[k] == pytest.approx(want.metrics[k], rel=1e-5, abs=1e-7), k
+    got_grads, want_grads = hf_grads(got_be), hf_grads(want_be)
+    assert got_grads.keys() == want_grads.keys()
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in got_grads
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-7, rtol=1e-5, msg=name)
+    after = dict(want_be.named_weights())
+    for name, tensor in got_be.named_weights():
+        torch.testing.assert_close(tensor, after[name], atol=1e-7, rtol=0, msg=name)
+
+
+def replayed_batches(moe_dir: Path) -> tuple[Batch, Batch]:
+    """A batch, and the same with other experts than the model's own recorded (some tokens unreported)."""
+    batch = batch_of(6)
+    forced = (own_routes(AutoModelForCausalLM.from_pretrained(moe_dir), batch) + 3) % EXPERTS
+    forced[:, 1::4] = -1
+    return batch, batch_with(batch, forced)
+
+
+def test_local_dispatch_computes_what_megatrons_all_to_all_dispatcher_computes(moe_dir: Path) -> None:
+    """`train.megatron.moe_local_dispatch` (the default with one expert-parallel rank: a sort on the device)
+    against Megatron's all-to-all dispatcher, both with grouped experts, on the same weights."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from slime_async.train.megatron.local_dispatch import LocalSortDispatcher
+
+    batch, replayed = replayed_batches(moe_dir)
+    kw = dict(device="cpu", optim=OptimizerSettings(lr=1e-3, eps=1e-6, grad_clip=0.01), micro_batch_size=2,
+              moe=MoeConfig(aux_loss_coef=0.3, z_loss_coef=0.02))
+    local, alltoall = (MegatronBackend(moe_dir, parallel=MegatronConfig(moe_local_dispatch=on), **kw)  # type: ignore[arg-type]
+                       for on in (True, False))
+    assert all(type(layer.mlp.token_dispatcher) is LocalSortDispatcher for layer in local.module.decoder.layers)
+    assert type(alltoall.module.decoder.layers[0].mlp.token_dispatcher) is MoEAlltoAllTokenDispatcher
+    assert_same_logprobs_and_step(local, alltoall, batch, replayed)
+
+
 def test_grouped_experts_compute_what_sequential_mlp_computes(moe_dir: Path) -> None:
     """`train.megatron.moe_grouped_gemm` (the default; two `torch._grouped_mm` per layer over stacked
     weights) against Megatron's SequentialMLP (a loop over the experts) on the same weights: logprobs
@@ -332,10 +386,7 @@ def test_grouped_experts_compute_what_sequential_mlp_computes(moe_dir: Path) -> 
     from slime_async.moe.experts import can_group
     from slime_async.train.megatron.grouped_experts import GroupedExperts
 
-    batch = batch_of(6)
-    forced = (own_routes(AutoModelForCausalLM.from_pretrained(moe_dir), batch) + 3) % EXPERTS
-    forced[:, 1::4] = -1
-    replayed = batch_with(batch, forced)
+    batch, replayed = replayed_batches(moe_dir)
     kw = dict(device="cpu", optim=OptimizerSettings(lr=1e-3, eps=1e-6, grad_clip=0.01), micro_batch_size=2,
               moe=MoeConfig(aux_loss_coef=0.3, z_loss_coef=0.02))
     grouped, looped = (MegatronBackend(moe_dir, parallel=MegatronConfig(moe_grouped_gemm=on), **kw)  # type: ignore[arg-type]
@@ -346,29 +397,7 @@ def test_grouped_experts_compute_what_sequential_mlp_computes(moe_dir: Path) -> 
     assert experts.weight1.shape == (EXPERTS, 2 * 256, 256) and experts.weight2.shape == (EXPERTS, 256, 256)
     # the real grouped kernel runs here (torch's CPU kernel in float32), not the per-expert fallback
     assert can_group(torch.zeros(1, 256), experts.weight1.detach().transpose(1, 2))
-    for b in (batch, replayed):
-        torch.testing.assert_close(grouped.logprobs(b, 0.7).logprobs, looped.logprobs(b, 0.7).logprobs, atol=1e-6,
-                                   rtol=0)
-    obj = Objective(TrainConfig(loss="grpo", entropy_coef=0.01))
-    results = []
-    for be in (grouped, looped):
-        prep = obj.prepare(replayed, be.logprobs(replayed, 1.0).logprobs)
-        results.append(be.train_step(replayed, obj.loss_fn(prep), 1.0, entropy=True))
-    got, want = results
-    assert got.applied and want.applied
-    assert got.loss == pytest.approx(want.loss, rel=1e-6, abs=1e-8)
-    assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-6)
-    assert got.metrics.keys() == want.metrics.keys() and want.metrics["moe/route_mismatch"] > 0.5
-    for k in want.metrics:
-        assert got.metrics[k] == pytest.approx(want.metrics[k], rel=1e-5, abs=1e-7), k
-    got_grads, want_grads = hf_grads(grouped), hf_grads(looped)
-    assert got_grads.keys() == want_grads.keys()
-    assert "model.layers.3.mlp.experts.7.down_proj.weight" in got_grads
-    for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-7, rtol=1e-5, msg=name)
-    after = dict(looped.named_weights())
-    for name, tensor in grouped.named_weights():
-        torch.testing.assert_close(tensor, after[name], atol=1e-7, rtol=0, msg=name)
+    assert_same_logprobs_and_step(grouped, looped, batch, replayed)
 
 
 @pytest.mark.gpu
@@ -402,6 +431,37 @@ def test_grouped_experts_on_a_gpu_in_bfloat16_match_sequential_mlp(moe_dir: Path
     assert results[0].grad_norm == pytest.approx(results[1].grad_norm, rel=0.05)
     for k in ("moe/aux_loss", "moe/z_loss"):
         assert results[0].metrics[k] == pytest.approx(results[1].metrics[k], rel=0.02), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("local", [True, False])
+def test_local_dispatch_never_makes_the_host_wait_for_the_gpu(local: bool, moe_dir: Path) -> None:
+    """A MoE layer's forward and backward under torch's sync debug mode "error": with the local dispatcher
+    no operation waits for the GPU; Megatron's all-to-all dispatcher does (its `masked_select` and its
+    host-side token counts), which shows that the check can fail."""
+    be = MegatronBackend(moe_dir, device="cuda", dtype="bfloat16", micro_batch_size=2, moe=NO_AUX,
+                         parallel=MegatronConfig(moe_local_dispatch=local, fused_logprobs=False))
+    layer = be.module.decoder.layers[0].mlp
+    x = torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step() -> None:
+        out, _ = layer(x)
+        out.float().square().sum().backward()
+
+    step()  # first calls probe the grouped kernel and compile nothing else
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        if local:
+            step()
+        else:
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())
 
 
 def test_a_checkpoint_of_one_expert_layout_is_refused_by_the_other(moe_dir: Path, mega: MegatronBackend,

@@ -46,6 +46,7 @@ from slime_async.train.fused_logprobs import fused_logprobs
 from slime_async.train.megatron import lora as L
 from slime_async.train.megatron import wgrad_fusion
 from slime_async.train.megatron.cpu_compat import cpu_megatron
+from slime_async.train.megatron.local_dispatch import use_local_dispatch
 from slime_async.train.megatron.logprobs import vocab_parallel_logprobs
 from slime_async.train.megatron.model import (
     AttentionKind,
@@ -119,6 +120,7 @@ class MegatronBackend:
         self.export_dtype = self.params_dtype
         self.attention = self._attention(cfg.attention, lora is not None)
         self.grouped_experts = cfg.moe_grouped_gemm
+        self.local_dispatch = cfg.moe_local_dispatch and cfg.moe_grouped_gemm and cfg.expert_parallel == 1
         self.fused_logprobs = cfg.fused_logprobs and self.on_gpu  # Inductor's CPU path would need a compiler
         with self._compat():
             self.layout = init_parallel(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.data_parallel, self.device,
@@ -204,6 +206,8 @@ class MegatronBackend:
         model = build_gpt_model(self.shape, self.config, self.attention, pre_process=self.layout.first_stage,
                                 post_process=self.layout.last_stage, device=self.device,
                                 grouped_experts=self.grouped_experts)
+        if self.shape.moe is not None and self.local_dispatch:
+            use_local_dispatch(model)
         mark_tensor_parallel(model, self.geometry)
         load_hf(model, weights, self.geometry, self.layout)
         for m in model.modules():
