@@ -39,6 +39,11 @@ def test_moe_benchmark_runs_shrunk_on_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     assert result.details["train"]["routing replay"]["metrics"]["moe/route_mismatch"] > 0.3
     # active parameters: 2 layers x (QKV 64 x (64 + 2 x 32), output 64 x 64, router 64 x 8, 2 experts x 3 x 64 x 32)
     # + the LM head 64 x 300
+    # decode at 32 requests of top-2 over 8 experts: 8 x (1 - (3/4)^32) experts touched a layer (nearly all)
+    touched = 8 * (1 - 0.75**32)
+    assert result.details["decode_weight_bytes"]["MoE"] == pytest.approx(
+        2 * (2 * (64 * 128 + 64 * 64 + 64 * 8 + touched * 3 * 64 * 32) + 64 * 300))
+    assert "weight bytes" in result.headline
     assert bench.active_params(2) == 2 * (64 * 128 + 64 * 64 + 64 * 8 + 2 * 3 * 64 * 32) + 64 * 300
     # the dense model: the same without the router, its MLP 2 x 32 wide
     assert bench.active_params(2, dense=True) == 2 * (64 * 128 + 64 * 64 + 3 * 64 * 64) + 64 * 300
