@@ -376,6 +376,33 @@ def test_local_dispatch_computes_what_megatrons_all_to_all_dispatcher_computes(m
     assert_same_logprobs_and_step(local, alltoall, batch, replayed)
 
 
+def test_local_dispatch_groups_rows_by_expert_and_sums_them_back() -> None:
+    """The dispatcher alone: rows come grouped by expert (token order within one), the counts match, and
+    combine returns each token's weighted sum; a row of the map with fewer than k experts set still
+    leaves every row inside a group (the extra one weighs 0)."""
+    from slime_async.train.megatron.local_dispatch import LocalSortDispatcher
+
+    tokens, experts, k, hidden = 7, 5, 2, 3
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, 1, hidden, generator=g)
+    ids = torch.rand(tokens, experts, generator=g).argsort(dim=1)[:, :k]
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, ids, True)
+    routing_map[3] = False
+    routing_map[3, 4] = True  # one expert only
+    probs = torch.rand(tokens, experts, generator=g) * routing_map
+    d = LocalSortDispatcher(experts, k)
+    rows, weights = d.token_dispatch(*d.dispatch_preprocess(x, routing_map, probs))
+    rows, counts, weights = d.dispatch_postprocess(rows, weights)
+    assert rows.shape == (tokens * k, hidden) and int(counts.sum()) == tokens * k
+    assert counts[4] >= int(routing_map[:, 4].sum())
+    out = d.combine_postprocess(d.token_combine(d.combine_preprocess(rows * weights[:, None])))
+    torch.testing.assert_close(out, (probs.sum(1)[:, None] * x[:, 0])[:, None])
+    expert_of_row = torch.repeat_interleave(torch.arange(experts), counts)
+    # each group's rows are that expert's: weights equal the probs of (the row's token, that expert)
+    token_of_row = [int(torch.nonzero((x[:, 0] == r).all(1))[0]) for r in rows]
+    torch.testing.assert_close(weights, probs[token_of_row, expert_of_row])
+
+
 def test_grouped_experts_compute_what_sequential_mlp_computes(moe_dir: Path) -> None:
     """`train.megatron.moe_grouped_gemm` (the default; two `torch._grouped_mm` per layer over stacked
     weights) against Megatron's SequentialMLP (a loop over the experts) on the same weights: logprobs
