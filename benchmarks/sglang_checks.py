@@ -175,13 +175,19 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
 
 
 async def check_publish(url: str, model: torch.nn.Module, vocab: int, version: int, mode: str,
-                        disk_dir: Path | None, tensor_format: str = "auto", seed: int = 0) -> dict[str, Any]:
-    """One push of `model`'s perturbed weights by our publisher (pause in place, update, continue):
-    the server reports `version` and its logprobs equal the trainer's (before the push they differ)."""
+                        disk_dir: Path | None, tensor_format: str = "auto", seed: int = 0,
+                        partial_mode: str = "abort") -> dict[str, Any]:
+    """One push of `model`'s perturbed weights by our publisher (pause, update, continue; `abort`: the
+    requests in flight end and are resumed, and the cache is flushed before the engine resumes): the
+    server reports `version` and its logprobs equal the trainer's (before the push they differ), on the
+    prompts it scored before the push (`abort`) or on fresh ones (`in_place`: SGLang's radix cache still
+    holds the scored ones' KV of the old weights; their gap is `reused_prefix_gap_mean`)."""
     perturb(model, seed)
     seqs = [p + prompts(1, vocab, seed=100 + i)[0] for i, p in enumerate(prompts(4, vocab, seed=50))]
+    fresh = [p + prompts(1, vocab, seed=200 + i)[0] for i, p in enumerate(prompts(4, vocab, seed=60))]
     cfg = SyncConfig(mode=mode, tensor_format=tensor_format)  # type: ignore[arg-type]
-    async with aiohttp.ClientSession() as session, WeightPublisher([url], cfg, disk_dir=disk_dir) as pub:
+    async with aiohttp.ClientSession() as session, WeightPublisher(
+            [url], cfg, disk_dir=disk_dir, partial_mode=partial_mode) as pub:  # type: ignore[arg-type]
         before = [await score(session, url, s, PROMPT_LEN) for s in seqs]
         # requests decoding through the push: paused in place, they finish after it
         params = {"max_new_tokens": 64, "temperature": 1.0, "ignore_eos": True}
@@ -190,15 +196,21 @@ async def check_publish(url: str, model: torch.nn.Module, vocab: int, version: i
             await asyncio.sleep(0.2)
             report = await pub.publish(lambda: model.named_parameters(), version)
             gens = await asyncio.gather(*flying)
-        after = [await score(session, url, s, PROMPT_LEN) for s in seqs]
+        reused = [await score(session, url, s, PROMPT_LEN) for s in seqs]
+        after = reused if partial_mode == "abort" else [await score(session, url, s, PROMPT_LEN) for s in fresh]
         reported = await server_version(session, url)
         status, flushed = await post(session, url, "/flush_cache", {})
     trainer = [trainer_logprobs(model, s, PROMPT_LEN) for s in seqs]
-    gap_after = np.abs(np.asarray(after) - np.asarray(trainer))
+    trainer_after = trainer if partial_mode == "abort" else [trainer_logprobs(model, s, PROMPT_LEN) for s in fresh]
+    gap_after = np.abs(np.asarray(after) - np.asarray(trainer_after))
     gap_before = np.abs(np.asarray(before) - np.asarray(trainer))
+    gap_reused = np.abs(np.asarray(reused) - np.asarray(trainer))
     return {"ok": not report.failed and reported == str(version) and float(gap_after.max()) < 0.25
-            and gap_after.mean() < gap_before.mean() / 4 and all(len(g.output_ids) == 64 for g in gens),
-            "mode": mode, "version_reported": reported, "publish_s": report.seconds, "bytes": report.bytes,
+            and gap_after.mean() < gap_before.mean() / 4 and all(len(g.output_ids) == 64 for g in gens)
+            and (partial_mode != "abort" or report.flushed == [url]),
+            "mode": mode, "partial_mode": partial_mode, "flushed": report.flushed,
+            "reused_prefix_gap_mean": float(gap_reused.mean()),
+            "version_reported": reported, "publish_s": report.seconds, "bytes": report.bytes,
             "failed": report.failed, "trainer_vs_server_after_max": float(gap_after.max()),
             "trainer_vs_server_after_mean": float(gap_after.mean()),
             "trainer_vs_server_before_mean": float(gap_before.mean()),
@@ -230,6 +242,9 @@ async def run_checks(url: str, model: torch.nn.Module, vocab: int, dead: str, di
              ("failover", lambda: check_failover(url, dead, vocab)),
              ("publish_tensor", lambda: check_publish(url, model, vocab, 1, "tensor", None, tensor_format, seed=1)),
              ("publish_disk", lambda: check_publish(url, model, vocab, 2, "disk", disk_dir, seed=2)),
+             # in place: the weights reach the engine (fresh prompts), and what its cache keeps is measured
+             ("publish_in_place", lambda: check_publish(url, model, vocab, 3, "tensor", None, tensor_format, seed=3,
+                                                        partial_mode="in_place")),
              ("generate_after_push", lambda: check_generate(url, vocab, n=4))]
     for name, step in steps:
         try:

@@ -45,6 +45,16 @@ class EngineKind:
     """How a push pauses it under `rollout.partial_mode: abort`: requests in flight end with their partial
     output (finish reason `abort`), which the rollout client resends as the prompt of their rest."""
     resume_route: str = "/continue_generation"
+    flush_route: str | None = "/flush_cache"
+    """Route that drops cached prefixes (KV computed by earlier weights) once nothing runs; a push under
+    `rollout.partial_mode: abort` calls it between the update and the resume. None: the push itself
+    drops them (vLLM's `/reset_prefix_cache`)."""
+    stale_prefixes_in_place: bool = False
+    """Whether an update with requests paused in place leaves cached prefixes of the old weights for new
+    requests to reuse. SGLang's radix cache does (it can be flushed only when nothing runs, and an
+    engine under asynchronous RL never idles): the prefixes every request shares (system prompt, tools,
+    a group's prompt, an episode's earlier turns) would be computed once by the first weights and
+    reused under every later version's stamp. Such kinds default to `rollout.partial_mode: abort`."""
     version_stamp: MappingProxyType[str, Any] = field(
         default_factory=lambda: MappingProxyType({"abort_all_requests": False}))
     """Fields `/update_weight_version` takes besides `new_version`."""
@@ -64,14 +74,15 @@ _SGLANG_MODES = ("tensor", "disk", "nccl")
 
 ENGINE_KINDS: dict[str, EngineKind] = {
     "embedded": EngineKind("embedded", "embedded", "sglang", _SGLANG_MODES),
-    "sglang": EngineKind("sglang", "SGLang", "sglang", _SGLANG_MODES),
+    "sglang": EngineKind("sglang", "SGLang", "sglang", _SGLANG_MODES, stale_prefixes_in_place=True),
     "vllm": EngineKind(
         "vllm", "vLLM", "vllm", ("disk",),
         sync_note="vLLM's own weight transfer is CUDA IPC or NCCL",
         release_memory=False, sglang_router=False, remote_admin=False, routed_experts=False,
         version_route="/weight_info", pause_route="/pause?mode=keep", pause_body=MappingProxyType({}),
         abort_pause_route="/pause?mode=abort", abort_pause_body=MappingProxyType({}),
-        resume_route="/resume", version_stamp=MappingProxyType({}), tied_head_by_name=True, lora_adapters=True,
+        resume_route="/resume", flush_route=None, version_stamp=MappingProxyType({}), tied_head_by_name=True,
+        lora_adapters=True,
     ),
 }
 

@@ -261,9 +261,12 @@ class RolloutConfig(_Section):
     without a hand-set number, and requests do not queue inside them (longer turns, staler tokens)."""
     num_workers: PositiveInt = 1
     """Rollout worker processes (one asyncio loop each)."""
-    partial_mode: Literal["in_place", "abort"] = "in_place"
+    partial_mode: Literal["in_place", "abort"] | None = None
     """At a weight update, in-flight requests continue on the new weights (`in_place`) or are
-    aborted and resumed with their partial output (`abort`)."""
+    aborted and resumed with their partial output (`abort`: the engine's cached prefixes are then
+    flushed before it resumes). None: `abort` with SGLang engines, whose radix cache would otherwise
+    serve prefixes computed by earlier weights (see `config/engine_kinds.py`), `in_place` with the
+    others."""
     filter_equal_rewards: bool = True
     """Drop groups whose rewards are all equal (no learning signal), counted (DAPO-style)."""
     group_filter: str | None = None
@@ -769,6 +772,15 @@ class Config(_Section):
                                  f"(got temperature {s.temperature}, top_p {s.top_p}, top_k {s.top_k}): the "
                                  "teacher's logprobs are plain log-softmax, the student's are of what it sampled from")
         kind = engine_kind(self.engine.kind)  # what the kind can honour (`config.engine_kinds`)
+        if self.rollout.partial_mode is None:
+            self.rollout.partial_mode = "abort" if kind.stale_prefixes_in_place else "in_place"
+        elif (self.rollout.partial_mode == "in_place" and kind.stale_prefixes_in_place
+              and not getattr(self.sglang, "disable_radix_cache", None)):
+            raise ValueError(f"rollout.partial_mode: in_place with engine.kind {kind.name}: {kind.label}'s radix cache "
+                             "keeps prefixes computed by earlier weights, and it cannot be flushed while requests "
+                             "are paused in place, so new requests would reuse them under the new version; use "
+                             "rollout.partial_mode: abort (requests in flight end, the cache is flushed, they "
+                             "resume on the new weights) or set sglang.disable_radix_cache: true")
         if self.sync.mode not in kind.sync_modes:
             raise ValueError(f"sync.mode: {self.sync.mode} does not reach {kind.label} engines here "
                              f"({kind.sync_note}); engine.kind {kind.name} takes sync.mode: "

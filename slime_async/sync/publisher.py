@@ -11,6 +11,15 @@ which would stall generation for the longest one. Requests paused in place keep 
 `flush_cache` is false: SGLang refuses a flush while requests run (the update would answer
 `success: false`). A failed push is retried from the start (the whole push, never the rest of one).
 
+Under `rollout.partial_mode: abort` (the default with SGLang engines) the pause ends the requests in
+flight instead (`{mode: abort}`; the rollout client resends each with its partial output), so nothing
+runs while the engine is paused and `/flush_cache` then drops its radix cache before it resumes: the
+prefixes cached under the old weights (a group's prompt, an episode's earlier turns, the system
+prompt every request shares) are recomputed by the new ones. Seen on a real SGLang 0.5.17 (H100,
+`bench sglang_gpu`): after an in-place push, prompts scored before it were served from 15 of their
+32 tokens cached, and their logprobs stayed 0.13 (mean) from the trainer's, against 5e-4 on the
+embedded engine, which keeps no prefix past its request.
+
 An engine's version is what its `/get_model_info` reports (`weight_version`, the decimal number of
 optimizer steps). An engine that missed an update (it was down, or restarted with its initial
 weights) reports an older version: `publish` pushes to every engine anyway and counts it, and
@@ -41,6 +50,10 @@ from slime_async.sync.tensor import prepare_tensor
 
 log = logging.getLogger(__name__)
 
+FLUSH_WAIT_S = 5.0
+"""How long an engine's flush may wait for the requests that an abort ended to leave (SGLang's
+`/flush_cache?timeout=`); SGLang's abort-mode pause returns once none holds the model, so at once."""
+
 @dataclass
 class PublishReport:
     version: int
@@ -54,6 +67,8 @@ class PublishReport:
     missed: list[str] = field(default_factory=list)
     """Engines found on an older version than the previous publish (they had missed an update)."""
     attempts: int = 0
+    flushed: list[str] = field(default_factory=list)
+    """Engines whose cached prefixes were dropped after the update (`rollout.partial_mode: abort`)."""
     prepare_seconds: float = 0.0
     """Of `seconds`, the trainer side's serialisation (tensor: safetensors bodies or shared handles;
     disk: the file)."""
@@ -74,7 +89,7 @@ class WeightPublisher:
         engine_kind: str = "sglang",
         lora: LoraConfig | None = None,
         base_model: str = "",
-        partial_mode: Literal["in_place", "abort"] = "in_place",
+        partial_mode: Literal["in_place", "abort"] | None = None,
     ) -> None:
         if not urls:
             raise ValueError("sync: no engine URLs to publish weights to")
@@ -93,10 +108,15 @@ class WeightPublisher:
         given to `publish` are then the adapters under peft's names."""
         self.base_model = base_model
         """The model the adapters apply to (`adapter_config.json`'s `base_model_name_or_path`)."""
+        if partial_mode is None:  # the kind's default (`rollout.partial_mode`)
+            partial_mode = "abort" if self.kind.stale_prefixes_in_place else "in_place"
         self.pause_how = ((self.kind.abort_pause_route, dict(self.kind.abort_pause_body)) if partial_mode == "abort"
                           else (self.kind.pause_route, dict(self.kind.pause_body)))
         """`rollout.partial_mode`: requests in flight at a push go on under the new weights (in place) or
         end there with their partial output, which the rollout client resends (abort)."""
+        self.flush_route = self.kind.flush_route if partial_mode == "abort" else None
+        """Aborting leaves nothing running, so the engine's cached prefixes (KV of the old weights) can be
+        dropped before it resumes; paused in place, SGLang refuses that (see `EngineKind.stale_prefixes_in_place`)."""
         self.disk_dir = disk_dir
         self.engine_tp_size = engine_tp_size
         """SGLang reads item `tp_rank` of `serialized_named_tensors`: a shared push sends one per rank."""
@@ -106,6 +126,8 @@ class WeightPublisher:
         self._session: aiohttp.ClientSession | None = None
         self._nccl: Any = None
         self._paused: set[str] = set()
+        self._flushed: set[str] = set()
+        """Engines flushed during the current publish (`PublishReport.flushed`)."""
         self._started = False
         """Whether `reconcile` has run once (see there)."""
         self._no_shared: set[str] = set()
@@ -232,13 +254,14 @@ class WeightPublisher:
             log.warning("engine %s reports version older than %s: it missed an update; bringing it up to date",
                         u, self.published)
         prepared = time.perf_counter()
+        self._flushed.clear()
         push, nbytes, nbuckets = await self._prepare(weights, version)
         prepare_seconds = time.perf_counter() - prepared
         results = await asyncio.gather(*(self._push_with_retries(push, u) for u in targets))
         if self.cfg.mode == "tensor" and torch.cuda.is_initialized():
             torch.cuda.ipc_collect()  # free what the engines' handles kept alive, now that they let go
         report = PublishReport(version=version, seconds=0.0, bytes=nbytes, buckets=nbuckets, missed=missed,
-                               prepare_seconds=prepare_seconds)
+                               prepare_seconds=prepare_seconds, flushed=[u for u in targets if u in self._flushed])
         for url, (attempts, error) in zip(targets, results, strict=True):
             report.attempts += attempts
             if error is None:
@@ -298,6 +321,16 @@ class WeightPublisher:
             return prepare_nccl(self._nccl, weights, version, limit)
         raise ValueError(f"sync.mode: expected tensor, disk or nccl, got {mode!r}")
 
+    async def _flush(self, url: str) -> None:
+        """Drop the engine's cached prefixes (it is paused with nothing running: aborted). A refusal
+        (something still runs after `FLUSH_WAIT_S`) is logged and the push stands: the weights are in."""
+        try:
+            await self._post(url, f"{self.flush_route}?timeout={FLUSH_WAIT_S}", {})
+            self._flushed.add(url)
+        except PushError as exc:
+            log.warning("engine %s: cached prefixes not flushed after the update (%s); requests that share "
+                        "them reuse KV computed by earlier weights until it idles", url, exc)
+
     async def _push_with_retries(self, push: Callable[[str], Any], url: str) -> tuple[int, str | None]:
         """(attempts made, last error or None)."""
         error = None
@@ -307,6 +340,8 @@ class WeightPublisher:
                 await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
             try:
                 await push(url)
+                if self.flush_route is not None and url in self._paused:
+                    await self._flush(url)
                 if url in self._paused:  # whole again: serve (also after an earlier half-done push)
                     await self._post(url, self.kind.resume_route, {})
                     self._paused.discard(url)

@@ -39,7 +39,11 @@ async def test_every_check_passes_against_the_embedded_engine(served: str, tiny_
     assert out["failover"]["retries"] >= 1 and out["failover"]["served_by"] == [served]
     assert out["publish_tensor"]["version_reported"] == "1" and out["publish_disk"]["version_reported"] == "2"
     assert out["publish_disk"]["trainer_vs_server_after_max"] < 1e-3
-    assert out["generate_after_push"]["versions"] == [2]
+    # the embedded engine keeps no prefix past its request: re-scored prompts are the new weights' too,
+    # in place as after an abort and a flush (real SGLang's radix cache keeps them: README, differences)
+    assert out["publish_tensor"]["flushed"] == [served] and out["publish_in_place"]["flushed"] == []
+    assert out["publish_in_place"]["reused_prefix_gap_mean"] < 1e-3
+    assert out["generate_after_push"]["versions"] == [3]
 
 
 async def test_the_publish_check_fails_when_the_server_keeps_its_old_weights(served: str, tiny_model_dir: Path,
