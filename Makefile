@@ -16,7 +16,7 @@ run: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP) browser
 	$(BIN)/ruff check slime_async envs benchmarks tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check slime_async envs benchmarks tests

@@ -32,6 +32,7 @@ def test_sglang_engines_behind_the_router_with_a_replaced_engine(tmp_path: Path,
     monkeypatch.setenv("PYTHONPATH", str(HERE / "fake_sglang"))  # the children's `sglang`
     cfg = load_config(HERE.parents[1] / "configs/local.yaml", [
         f"run.dir={tmp_path}", f"model.path={varied_model_dir}", "engine.kind=sglang", "engine.port=0",
+        "rollout.partial_mode=abort",  # local.yaml's in_place is refused with SGLang (its radix cache)
         "engine.router.enabled=true", "engine.router.args={health_check_interval_secs: 1, log_level: warn}",
         "sglang.mem_fraction_static=0.5", "sglang.enable_torch_compile=true", "train.steps=4",
         "train.checkpoint_every=1", "train.batch_timeout_s=1", "rollout.batch_size=8", "rollout.group_size=4",

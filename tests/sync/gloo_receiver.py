@@ -46,6 +46,11 @@ async def resume(request: web.Request) -> web.Response:
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
+async def flush(request: web.Request) -> web.Response:  # SGLang's `/flush_cache?timeout=`: nothing runs here
+    state["calls"].append("flush")
+    return web.Response(text="Cache flushed.\n")
+
+
 async def update(request: web.Request) -> web.Response:
     req = p.decode_body(await request.read(), p.UpdateWeightsFromDistributedReqInput)
     state["calls"].append(f"update flush={req.flush_cache}")
@@ -78,6 +83,7 @@ async def main() -> None:
     app.router.add_post("/update_weights_from_distributed", update)
     app.router.add_post("/pause_generation", pause)
     app.router.add_post("/continue_generation", resume)
+    app.router.add_post("/flush_cache", flush)
     app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/received", received)
     runner = web.AppRunner(app)

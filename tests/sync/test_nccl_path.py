@@ -54,9 +54,10 @@ async def test_weights_arrive_by_broadcast_with_the_version(receiver: str) -> No
         assert not report.failed, report.failed
         assert report.buckets == 2 and report.updated == [receiver]
         got = await get(receiver, "/received")
-        # paused in place around the whole push (an unpaused SGLang would wait for its running requests),
-        # no cache flush (SGLang refuses one while requests run)
-        assert got["calls"] == ["pause in_place", "update flush=False", "update flush=False", "continue"]
+        # paused around the whole push (an unpaused SGLang would wait for its running requests), aborting
+        # what runs (SGLang's default partial mode), so that its cache is flushed before it resumes; the
+        # updates ask for no flush of their own (SGLang refuses one while requests run)
+        assert got["calls"] == ["pause abort", "update flush=False", "update flush=False", "flush", "continue"]
         got = got["tensors"]
         for name, t in weights.items():
             assert got[name]["dtype"] == str(t.dtype).removeprefix("torch.")
