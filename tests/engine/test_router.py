@@ -62,7 +62,9 @@ async def test_router_routes_to_both_engines_and_detects_a_dead_one(
                 state = await workers(session, url)
                 return state == {a.url: True, b.url: True}, state
 
-            await wait_until(both_healthy)
+            # two engine processes and the router start (the router waits for its workers): on 2 cores shared
+            # with another test worker this took over a minute once
+            await wait_until(both_healthy, timeout=180.0)
             bodies = [greedy_body(ids, n=10) for ids in PROMPTS * 2]
             outs = []
             for body in bodies:

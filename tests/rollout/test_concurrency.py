@@ -136,7 +136,13 @@ async def test_engines_with_free_slots_draw_more_episodes(engines: list[EnginePr
 
 
 async def test_an_engine_with_a_queue_gets_fewer_episodes(small_engine: EngineProcess, varied_model_dir: Path) -> None:
-    # four slots: of 8 episodes in flight, about 4 wait for one (more than the slack of 1)
-    scheduler = await run_adaptive([small_engine.url], varied_model_dir, groups=16)
+    # four slots: of 8 or more episodes in flight, about half wait for one (more than the slack of 1), and
+    # the limit comes down; it may first have grown where a sample fell between turns (nothing waiting),
+    # so what is asserted is that it shrinks, and only on samples of a full engine with a queue
+    scheduler = await run_adaptive([small_engine.url], varied_model_dir, groups=24)
     history = scheduler.adaptive.history
-    assert min(n for _, _, n in history) < 8 and any(w > 1 for _, w, _ in history)
+    limits = [8] + [n for _, _, n in history]  # the starting limit, then each update's
+    shrinks = [(running, waiting) for before, (running, waiting, after) in zip(limits, history, strict=False)
+               if after < before]
+    assert shrinks, history
+    assert all(waiting > max(1, running // 8) and running >= 4 - max(1, running // 8) for running, waiting in shrinks)
