@@ -66,13 +66,19 @@ def looped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Ten
     return torch.cat(parts)
 
 
-def group_ends(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, offs) for expert ids [N] (flat): `order` sorts the N entries by expert, token order kept
-    within an expert; `offs` [experts] int32 the cumulative counts, both on `ids`' device (a scatter,
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, counts) for expert ids [N] (flat): `order` sorts the N entries by expert, token order kept
+    within an expert; `counts` [experts] int32 the entries per expert, both on `ids`' device (a scatter,
     not `bincount`, whose output size waits for the device)."""
     order = ids.argsort(stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
     counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+    return order, counts
+
+
+def group_ends(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, offs): `sort_by_expert`'s order, and `offs` [experts] int32 the cumulative counts."""
+    order, counts = sort_by_expert(ids, num_experts)
     return order, counts.cumsum(0, dtype=torch.int32)
 
 

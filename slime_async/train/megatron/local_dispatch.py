@@ -16,9 +16,9 @@ tokens a step, `bench megatron_moe_gpu`): 75 ms idle of 1,048, and 1.22x the tok
 
 - each token's k experts: the top-k of its routing map (exactly k per row: dropless routing);
 - `order`: the stable argsort of the [tokens x k] expert ids, so rows come grouped by expert, and
-  within an expert in token order (as Megatron's permutation);
-- tokens per expert: the ids counted on the device (a scatter-add; `GroupedExperts` takes group ends
-  from there);
+  within an expert in token order (as Megatron's permutation and the engine's grouped step);
+- tokens per expert: the ids counted on the device (`moe.experts.sort_by_expert`, with `order`;
+  `GroupedExperts` takes group ends from there);
 - rows = each token repeated k times, taken in `order` (an `index_select` whose backward adds each
   row's gradient to one place; the k copies' gradients are then summed per token, in a fixed order);
 - the experts' outputs, already weighted by their routing weights, put back in [token, k] order by
@@ -33,6 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from slime_async.moe.experts import sort_by_expert
 
 
 class LocalSortDispatcher:
@@ -53,12 +55,10 @@ class LocalSortDispatcher:
         tokens, k = hidden.shape[0], self.topk
         # a bool has no top-k; any number type ranks the k set entries first
         ids = torch.topk(routing_map.to(torch.int32), k, dim=1, sorted=False).indices
-        flat = ids.reshape(-1)
-        self._order = order = torch.argsort(flat, stable=True)
         # counted from the same ids as `order` (not the map's column sums), so the experts' groups cover
         # every row even for a map that is not k-hot (such a row then carries a zero routing weight)
-        self._tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+        order, self._tokens_per_expert = sort_by_expert(ids.reshape(-1), self.num_experts)
+        self._order = order
         rows = hidden.unsqueeze(1).expand(tokens, k, hidden.shape[1]).reshape(tokens * k, -1)
         weights = probs.gather(1, ids).reshape(-1)
         return rows.index_select(0, order), weights.index_select(0, order)
