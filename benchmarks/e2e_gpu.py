@@ -22,7 +22,8 @@ second: generation alone (the engine alone, best hand-set concurrency) times the
 Parts to run (a device call lasts at most 10 minutes: one shape's runs take two, on the same warm
 machine, which keeps the model and its cached warm-start under `E2E_GPU_DIR`): `E2E_GPU_SHAPES`
 (default `0.5b,1.5b`), `E2E_GPU_ETAS` (default `2,0,1,4`; eta 2 must come first, it warm-starts),
-`E2E_GPU_GENERATION` (`1`: the engine-alone rows, the default), steps per run `E2E_GPU_STEPS`
+`E2E_GPU_GENERATION` (`1`: the engine-alone rows, the default; with `E2E_GPU_ETAS=` alone, on a
+warm-start found in the cache or made first), steps per run `E2E_GPU_STEPS`
 (default 24) and `E2E_GPU_OVERRIDES` (config overrides of every run, space-separated, e.g. a smaller
 `train.micro_batch_size` for the 1.5B shape). Whatever is not run this time is kept from
 `benchmarks/results/e2e_gpu.json`.
@@ -123,11 +124,12 @@ def measure_shape(shape: str, steps: int, tmp: Path, device: str, etas: list[int
             runs[name]["success_before"] = s["success_before"]["sampled"]
             runs[name]["success_after"] = s["success_after"]["sampled"]
         save(summarise(shape, runs, generation or [], made_s, device) | {"failed": failed})
-    warm = next((Path(r["warmstart"]["path"]) for r in reversed(runs.values())
-                 if Path(r["warmstart"]["path"]).is_dir()), None)
-    if with_generation and warm is not None:  # on the warm-started weights (an earlier call's may be gone)
+    if with_generation:  # on the warm-started weights: a run's, or (an earlier call's, gone) made now
+        warm = next((Path(r["warmstart"]["path"]) for r in reversed(runs.values())
+                     if Path(r["warmstart"]["path"]).is_dir()), None) or warm_started(model)
         (tmp / f"gen-{shape}").mkdir(parents=True, exist_ok=True)
-        generation = generation_alone(warm, tmp / f"gen-{shape}")
+        commit = os.environ.get("SLIME_ASYNC_BENCH_COMMIT")  # these rows may be of a later call than the runs
+        generation = [row | {"commit": commit} for row in generation_alone(warm, tmp / f"gen-{shape}")]
     return summarise(shape, runs, generation or [], made_s, device) | {"failed": failed}
 
 
@@ -236,6 +238,34 @@ def sampling_gpu() -> Iterator[GpuSampler]:
 
 
 # --- the engine alone ------------------------------------------------------------------------------
+
+
+def warm_started(model: Path, config: str = CONFIG, overrides: list[str] | None = None) -> Path:
+    """The warm-start of `model` that `train` runs under `config` (the same cache entry): found in the
+    cache, or trained now in a process of its own (so that this one holds no GPU memory after it), as
+    the engine-alone rows need when no training run of this call made it (`E2E_GPU_ETAS=`)."""
+    from slime_async.config.loader import load_config
+    from slime_async.models.tiny_model import default_cache_dir
+    from slime_async.train.warmstart import warmstart_dir
+
+    args = [str(REPO / config), f"model.path={model}", *(OVERRIDES if overrides is None else overrides)]
+    subprocess.run([sys.executable, "-c", "import sys; from benchmarks.e2e_gpu import _warm_main; "
+                    "_warm_main(sys.argv[1], sys.argv[2:])", *args], cwd=REPO, check=True)
+    out = warmstart_dir(load_config(args[0], args[1:]), model, default_cache_dir())
+    if not (out / "config.json").is_file():
+        raise RuntimeError(f"the warm-start of {model} left no model at {out}")
+    return out
+
+
+def _warm_main(config: str, overrides: list[str]) -> None:
+    from slime_async.config.loader import load_config
+    from slime_async.models.tiny_model import default_cache_dir
+    from slime_async.train.warmstart import warm_start
+
+    cfg = load_config(config, overrides)
+    path, cached = warm_start(cfg, Path(cfg.model.path), default_cache_dir())
+    print(f"  warm-start {'found in the cache' if cached else 'trained'}: {path}", flush=True)
+
 
 
 def generation_alone(model: Path, tmp: Path, config: str = CONFIG, groups: int = 96,

@@ -9,7 +9,8 @@ parameters = 79 GB plus activations on a 141 GB H200, 4 on an 80 GB H100: 64 GB 
 The dense model has the same layers, attention and vocabulary, and a SwiGLU MLP of width top-k x the
 expert width (8 x 768 = 6144): the parameters a MoE token computes with, bar the router.
 
-- Train step (`MegatronBackend.train_step`, micro-batch 1, sequences of 4096): tokens/s, TFLOP/s and
+- Train step (`MegatronBackend.train_step`, SEQUENCES sequences of 4096 a step, in micro-batches of
+  each size of MICROS sequences while they fit): tokens/s, TFLOP/s and
   MFU counted on the ACTIVE parameters (what a token computes): per token and layer, forward
   2 x (QKV + output projection + router + k experts x 3 x hidden x expert intermediate) multiply-adds
   plus attention's QK^T and PV over the causal half ((s + 1) / 2 keys), and the LM head
@@ -20,12 +21,13 @@ expert width (8 x 768 = 6144): the parameters a MoE token computes with, bar the
   experts given by a record, as an engine would report them), both dispatched by a sort on the device
   (`train.megatron.moe_local_dispatch`); the same with Megatron's all-to-all dispatcher (which makes
   the host wait for the GPU in every layer); Megatron's SequentialMLP (a Python loop
-  over the experts, one step); the dense model. The headline's MoE/dense ratio is tokens/s x active
-  parameters, MoE over dense (the active sizes differ by the router's 0.1%).
+  over the experts, one step); the dense model. The headline takes the fastest MoE micro-batch size;
+  its MoE/dense ratio is tokens/s x active parameters, MoE over dense at that micro-batch size (the
+  active sizes differ by the router's 0.1%).
 - Engine decode (the embedded engine's `SlotModel`, 32 requests of 128-token prompts, one token each
   per step, the host reading every step's tokens as the engine does): MoE (eager step: grouped experts;
-  CUDA-graph step: every expert over every token, zero-weighted off the chosen ones) against the dense
-  model, tokens/s.
+  CUDA-graph step: every expert over every token, zero-weighted off the chosen ones, or the grouped
+  experts captured) against the dense model, tokens/s; each MoE step profiled once (GPU ms by kind).
 
 Run: `slime-async bench megatron_moe_gpu`; `--quick` times one step after the warm-up instead of three.
 The module constants shrink everything for the CPU smoke test (tests/megatron/test_moe_bench.py).
@@ -34,6 +36,7 @@ The module constants shrink everything for the CPU smoke test (tests/megatron/te
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -49,6 +52,7 @@ from typing import Any
 import torch
 
 from benchmarks import Result
+from benchmarks.gpu_anchor import profile_note
 
 DESCRIPTION = ("megatron backend on a CUDA GPU, MoE: Qwen3-30B-A3B layers (128 experts, top-8), bf16: "
                "train-step tokens/s and MFU on active parameters (grouped experts, SequentialMLP, a dense model "
@@ -58,9 +62,14 @@ CEILING_TFLOPS = 790.0  # bf16 matmul rate measured on the H200 (docs/measured.m
 DEVICE = "cuda"  # module constants, so that the CPU smoke test can shrink everything
 TRAIN_DTYPE = "bfloat16"
 SEQ = 4096
-SEQUENCES = int(os.environ.get("MOE_GPU_SEQUENCES", "4"))
-"""Sequences of SEQ tokens a train step (one micro-batch each). The optimizer updates every parameter
-(total, not active) once a step, so MFU on active parameters grows with the tokens a step."""
+SEQUENCES = int(os.environ.get("MOE_GPU_SEQUENCES", "16"))
+"""Sequences of SEQ tokens a train step. The optimizer updates every parameter (total, not active) once
+a step, so MFU on active parameters grows with the tokens a step."""
+MICROS = tuple(int(m) for m in os.environ.get("MOE_GPU_MICROS", "1,2,4").split(","))
+"""Micro-batch sizes (sequences) of the MoE and dense rows, the smallest first; a size that runs out of
+memory is a failed row and ends the list. Each micro-batch adds every expert's bf16 weight gradient into
+its fp32 buffer (2.4B parameters at 4 layers: 179 ms of a 1,048 ms step at 16 micro-batches on an
+H100), so fewer, larger micro-batches pay that less often."""
 LAYERS: int | None = None  # None: `layers_that_fit` the GPU
 MAX_LAYERS = 6
 BYTES_PER_PARAM = 18  # bf16 weight, fp32 gradient buffer, fp32 master weight, Adam's two fp32 moments
@@ -199,7 +208,7 @@ def _time_steps(be: Any, batch: Any, steps: int) -> tuple[float, dict[str, float
 def _profile(be: Any, batch: Any, rows: list, details: dict) -> None:
     """One step (routed by the model) under torch's profiler: GPU time by kernel category and the time
     the GPU waited for the host."""
-    from benchmarks.gpu_anchor import kernel_breakdown, profile_note
+    from benchmarks.gpu_anchor import kernel_breakdown
     from slime_async.config.schema import TrainConfig
     from slime_async.train.objective import Objective
 
@@ -212,13 +221,17 @@ def _profile(be: Any, batch: Any, rows: list, details: dict) -> None:
         details["errors"]["profile"] = traceback.format_exc()
         return
     details["profile"] = prof
-    _add(rows, ["step profile (GPU ms)", "routed by the model", "", "", "", prof["wall_s"] * 1e3, "",
+    _add(rows, ["step profile (GPU ms)", micro_key("routed by the model", be.micro_batch_size), "", "", "",
+                 prof["wall_s"] * 1e3, "",
                  profile_note(prof)])
 
 
-def _train_rows(be: Any, cases: list[tuple[str, Any]], flops: float, steps: int, rows: list, details: dict) -> None:
-    """Time `be`'s train step on each (row name, batch) of `cases`; a failure is a row, not the end."""
+def _train_rows(be: Any, cases: list[tuple[str, Any]], flops: float, steps: int, rows: list, details: dict
+                ) -> bool:
+    """Time `be`'s train step on each (row name, batch) of `cases`; a failure is a row, not the end.
+    Whether every case ran."""
     tokens = SEQUENCES * SEQ
+    ok = True
     for key, b in cases:
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -228,6 +241,8 @@ def _train_rows(be: Any, cases: list[tuple[str, Any]], flops: float, steps: int,
             details["errors"][key] = traceback.format_exc()
             print(details["errors"][key], flush=True)
             _add(rows, ["train step", key, "failed", "", "", "", "", traceback.format_exc(limit=1)[-200:]])
+            ok = False
+            _free()  # what the failed step held (out of memory, say) goes back before the next row
             continue
         tflops = flops / step_s / 1e12
         peak = torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else 0.0
@@ -238,7 +253,25 @@ def _train_rows(be: Any, cases: list[tuple[str, Any]], flops: float, steps: int,
         _add(rows, ["train step", key, tokens / step_s, tflops, 100 * tflops / CEILING_TFLOPS, step_s * 1e3, peak,
                      note])
         details["train"][key] = {"step_s": step_s, "tokens": tokens, "tflops": tflops, "tok_s": tokens / step_s,
-                                 "mfu": tflops / CEILING_TFLOPS, "peak_gb": peak, "metrics": metrics}
+                                 "mfu": tflops / CEILING_TFLOPS, "peak_gb": peak, "metrics": metrics,
+                                 "micro_batch": be.micro_batch_size}
+    return ok
+
+
+def micro_key(base: str, micro: int) -> str:
+    """A row's name at micro-batch size `micro` (size 1 keeps the plain name)."""
+    return base if micro == 1 else f"{base}, micro-batch {micro}"
+
+
+def _micro_rows(be: Any, base: str, batch: Any, flops: float, steps: int, rows: list, details: dict,
+                extra: list[tuple[str, Any]] | None = None) -> None:
+    """`be`'s train step at each micro-batch size of MICROS until one fails (out of memory); `extra` rows
+    at the first size."""
+    for i, micro in enumerate(MICROS):
+        be.micro_batch_size = micro
+        cases = [(micro_key(base, micro), batch), *((extra or []) if i == 0 else [])]
+        if not _train_rows(be, cases, flops, steps, rows, details):
+            break
 
 
 def _kernel(be: Any) -> str:
@@ -263,12 +296,23 @@ def _backend(model_dir: Path, grouped: bool = True, local_dispatch: bool = True)
                            parallel=MegatronConfig(moe_grouped_gemm=grouped, moe_local_dispatch=local_dispatch))
 
 
-def decode_rates(model_dir: Path) -> dict[bool, float]:
-    """Engine decode tokens/s of the eager step (False) and the static step (True: a recorded CUDA graph
-    on a GPU, run as it is elsewhere): CONCURRENCY requests of PROMPT tokens prefilled, then DECODE_STEPS
-    steps of one token each (after 3 warm-up steps), each step's tokens read on the host as the engine does."""
+DECODE_MODES: dict[str, tuple[bool, str]] = {
+    "eager step": (False, "dense"),
+    "CUDA-graph step": (True, "dense"),
+    "CUDA-graph step, grouped experts": (True, "grouped"),
+}
+"""Decode rows: (recorded CUDA graph, `SlotModel.graph_experts`). The eager step always runs the grouped
+(sparse) experts; a graph runs `dense` (every expert over every token, zero-weighted) or `grouped` (the
+same grouped matmuls, captured). A dense model has no experts: only the first two apply."""
+
+
+def decode_rates(model_dir: Path, moe: bool) -> tuple[dict[str, float], dict[str, Any]]:
+    """(engine decode tokens/s of each mode of DECODE_MODES, one profiled step of each): CONCURRENCY
+    requests of PROMPT tokens prefilled, then DECODE_STEPS steps of one token each (after 3 warm-up
+    steps), each step's tokens read on the host as the engine does."""
     from transformers import AutoModelForCausalLM
 
+    from benchmarks.gpu_anchor import kernel_breakdown
     from slime_async.engine.graphs import CudaCapture, EagerDecoder, GraphDecoder, eager_capture
     from slime_async.engine.model import SlotModel
 
@@ -276,9 +320,11 @@ def decode_rates(model_dir: Path) -> dict[bool, float]:
     length = PROMPT + DECODE_STEPS + 8
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, SHAPE["vocab_size"], (CONCURRENCY, PROMPT), generator=g).tolist()
-    rates = {}
-    for graphs in (False, True):
-        slots = SlotModel(model, max_slots=CONCURRENCY, max_len=length, initial_len=length)
+    rates, profiles = {}, {}
+    for mode, (graphs, experts) in DECODE_MODES.items():
+        if experts == "grouped" and not moe:
+            continue
+        slots = SlotModel(model, max_slots=CONCURRENCY, max_len=length, initial_len=length, graph_experts=experts)  # type: ignore[arg-type]
         decoder: Any = (GraphDecoder(slots, CudaCapture() if DEVICE == "cuda" else eager_capture,
                                      buckets=[CONCURRENCY]) if graphs else EagerDecoder(slots))
         tokens = slots.prefill_batch(0, prompts).argmax(-1).tolist()
@@ -290,31 +336,39 @@ def decode_rates(model_dir: Path) -> dict[bool, float]:
                 began = time.perf_counter()
             tokens = decoder.decode(tokens, positions, record=True).argmax(-1).tolist()
             positions = [p + 1 for p in positions]
-        rates[graphs] = CONCURRENCY * DECODE_STEPS / (time.perf_counter() - began)
+        rates[mode] = CONCURRENCY * DECODE_STEPS / (time.perf_counter() - began)
+        if moe:  # where a MoE step's time goes (the same positions again: only the cache rows are rewritten)
+            try:
+                step = functools.partial(decoder.decode, tokens, positions, record=True)
+                profiles[mode] = kernel_breakdown(step, DEVICE, top=8)
+            except Exception:  # the rate stands without it
+                profiles[mode] = {"error": traceback.format_exc(limit=2)}
         decoder.release()
         del decoder, slots
     del model
     _free()
-    return rates
+    return rates, profiles
 
 
 def _engine_rows(moe_dir: Path, dense_dir: Path, rows: list, details: dict) -> None:
     for model, path in (("MoE", moe_dir), ("dense", dense_dir)):
-        modes = {False: "eager step" + (" (grouped experts)" if model == "MoE" else ""),
-                 True: "CUDA-graph step" + (" (all experts, zero-weighted)" if model == "MoE" else "")}
         try:
-            rates = decode_rates(path)
+            rates, profiles = decode_rates(path, moe=model == "MoE")
         except Exception:
             details["errors"][f"decode {model}"] = traceback.format_exc()
             print(details["errors"][f"decode {model}"], flush=True)
             _add(rows, [f"engine decode, {CONCURRENCY} requests", model, "failed", "", "", "", "",
                         traceback.format_exc(limit=1)[-200:]])
             continue
-        for graphs, mode in modes.items():
+        for mode, rate in rates.items():
             key = f"{model}, {mode}"
-            details["decode"][key] = rates[graphs]
-            _add(rows, [f"engine decode, {CONCURRENCY} requests", key, rates[graphs], "", "", 1e3 * CONCURRENCY /
-                        rates[graphs], "", f"{PROMPT}-token prompts"])
+            details["decode"][key] = rate
+            prof = profiles.get(mode, {})
+            note = f"{PROMPT}-token prompts" + (f"; GPU ms: {profile_note(prof)}" if "wall_s" in prof else "")
+            if prof:
+                details.setdefault("decode_profile", {})[key] = prof
+            _add(rows, [f"engine decode, {CONCURRENCY} requests", key, rate, "", "", 1e3 * CONCURRENCY / rate, "",
+                        note])
 
 
 def _add(rows: list, row: list) -> None:
@@ -327,7 +381,8 @@ PHASES = ("grouped", "alltoall", "sequential", "dense", "engine")
 """Each in its own process: Megatron keeps global state (parallel groups, buffers) that holds GPU memory
 after its backend is dropped, and an H100 holds one 4-layer MoE with its optimizer state, not two (the
 SequentialMLP and dense rows ran out of memory in one process after the grouped one)."""
-_CONSTANTS = ("DEVICE", "TRAIN_DTYPE", "SEQ", "SEQUENCES", "LAYERS", "SHAPE", "CONCURRENCY", "PROMPT", "DECODE_STEPS")
+_CONSTANTS = ("DEVICE", "TRAIN_DTYPE", "SEQ", "SEQUENCES", "MICROS", "LAYERS", "SHAPE", "CONCURRENCY", "PROMPT",
+              "DECODE_STEPS")
 """The module constants a phase's process takes from its parent (the CPU test shrinks them)."""
 
 
@@ -400,9 +455,13 @@ def _phase(name: str, tmp: Path, layers: int, steps: int) -> tuple[list, dict]:
             details["build_s"] = time.perf_counter() - began
             details["grouped_kernel"] = _kernel(be)
             print("grouped experts run", details["grouped_kernel"], flush=True)
-            _train_rows(be, [("routed by the model", batch), ("routing replay", _replayed(batch, layers))], moe_flops,
-                        steps, rows, details)
-            _profile(be, batch, rows, details)
+            _micro_rows(be, "routed by the model", batch, moe_flops, steps, rows, details,
+                        extra=[("routing replay", _replayed(batch, layers))])
+            ran = [details["train"][micro_key("routed by the model", m)] for m in MICROS
+                   if micro_key("routed by the model", m) in details["train"]]
+            if ran:  # the profile at the fastest size
+                be.micro_batch_size = min(ran, key=lambda r: r["step_s"])["micro_batch"]
+                _profile(be, batch, rows, details)
         elif name == "alltoall":
             _train_rows(_backend(moe_dir, local_dispatch=False),
                         [("grouped, Megatron's all-to-all dispatcher", batch)], moe_flops, steps, rows, details)
@@ -410,7 +469,7 @@ def _phase(name: str, tmp: Path, layers: int, steps: int) -> tuple[list, dict]:
             _train_rows(_backend(moe_dir, grouped=False), [("SequentialMLP, routed by the model", batch)], moe_flops,
                         1, rows, details)
         elif name == "dense":
-            _train_rows(_backend(dense_dir), [("dense, same active parameters", batch)], dense_flops, steps, rows,
+            _micro_rows(_backend(dense_dir), "dense, same active parameters", batch, dense_flops, steps, rows,
                         details)
         else:
             _engine_rows(moe_dir, dense_dir, rows, details)
@@ -431,8 +490,12 @@ def _phase_main(spec_path: Path) -> None:
 def _headline(layers: int, details: dict[str, Any]) -> str:
     nan = float("nan")
     train, decode = details["train"], details["decode"]
-    moe, seq = train.get("routed by the model", {}), train.get("SequentialMLP, routed by the model", {})
-    dense = train.get("dense, same active parameters", {})
+    seq = train.get("SequentialMLP, routed by the model", {})
+    moes = {m: train[micro_key("routed by the model", m)] for m in MICROS
+            if micro_key("routed by the model", m) in train}
+    micro = max(moes, key=lambda m: moes[m]["tok_s"], default=1)
+    moe, moe1 = moes.get(micro, {}), moes.get(1, {})
+    dense = train.get(micro_key("dense, same active parameters", micro), {})
     alltoall = train.get("grouped, Megatron's all-to-all dispatcher", {})
     per_param = (moe.get("tok_s", nan) * details["active_params"]) / (
         dense.get("tok_s", nan) * details["dense_active_params"])
@@ -441,10 +504,12 @@ def _headline(layers: int, details: dict[str, Any]) -> str:
     moe_decode = max((v for k, v in decode.items() if k.startswith("MoE")), default=nan)
     dense_decode = max((v for k, v in decode.items() if k.startswith("dense")), default=nan)
     return (f"MoE train step ({layers} Qwen3-30B-A3B layers, {details['params'] / 1e9:.2f}B params, "
-            f"{details['active_params'] / 1e9:.2f}B active): {moe.get('tflops', nan):.0f} TFLOP/s = "
+            f"{details['active_params'] / 1e9:.2f}B active, {SEQUENCES} x {SEQ} tokens a step in micro-batches of "
+            f"{micro}): {moe.get('tflops', nan):.0f} TFLOP/s = "
             f"{100 * moe.get('mfu', nan):.1f}% MFU on active parameters (goal >= 35%), "
-            f"{moe.get('tok_s', nan) / alltoall.get('tok_s', nan):.2f}x Megatron's all-to-all dispatcher, "
-            f"{moe.get('tok_s', nan) / seq.get('tok_s', nan):.1f}x SequentialMLP; tokens/s x active parameters "
+            f"at micro-batch 1 {moe1.get('tok_s', nan) / alltoall.get('tok_s', nan):.2f}x Megatron's all-to-all "
+            f"dispatcher and {moe1.get('tok_s', nan) / seq.get('tok_s', nan):.1f}x SequentialMLP; tokens/s "
+            f"x active parameters "
             f"MoE/dense {per_param:.2f}x (goal >= 0.7x); engine decode at {CONCURRENCY} requests MoE/dense "
             f"{moe_decode / dense_decode:.2f}x tokens/s (the faster step of each; goal >= 0.5x: within 2x; the "
             f"MoE step reads {ratio:.1f}x the dense step's weight bytes)")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slime_async.engine.moe import MoeMlp, moe_forward, moe_mlp
+from slime_async.engine.moe import GraphExperts, MoeMlp, moe_forward, moe_mlp
 from slime_async.moe.shape import moe_shape
 
 
@@ -71,8 +71,13 @@ def _layer(layer: nn.Module) -> _Layer:
 class SlotModel:
     """Prefill and decode over per-sequence cache slots; not thread-safe (one loop drives it)."""
 
-    def __init__(self, model: nn.Module, max_slots: int, max_len: int, initial_len: int = 256) -> None:
+    def __init__(self, model: nn.Module, max_slots: int, max_len: int, initial_len: int = 256,
+                 graph_experts: GraphExperts = "dense") -> None:
         self.model = model
+        self.graph_experts: GraphExperts = graph_experts
+        """How an MoE model's static (CUDA-graph) step runs its experts: `dense` (every expert over every
+        token, zero-weighted) or `grouped` (the sparse step's grouped matmuls, captured: the group ends
+        stay on the device). The same values either way (`engine.moe`)."""
         inner = model.model
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
@@ -255,7 +260,8 @@ class SlotModel:
             x = x + F.linear(out.transpose(1, 2).reshape(b, s, nh * hd), layer.o)
             h = F.rms_norm(x, (x.shape[-1],), layer.ln2, self.eps)
             if layer.moe is not None and self.moe is not None:
-                out, chosen = moe_forward(h, layer.moe, self.moe, self.act, static)
+                out, chosen = moe_forward(h, layer.moe, self.moe, self.act,
+                                          static and self.graph_experts == "dense")
                 x = x + out
                 if record:
                     routes.append(chosen)

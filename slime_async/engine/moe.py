@@ -11,12 +11,17 @@ HF's. Two ways to run the experts, same values:
 - `dense`: every expert over every token, weighted by a [tokens, experts] matrix that is zero off
   the chosen experts: fixed shapes and no host sync, what a CUDA graph captures (`decode_static`).
   A decode step reads every expert's weights either way once the batch routes to most of them.
+
+`sparse` has fixed shapes too (tokens x k rows; the group ends are computed on the device), so a CUDA
+graph can capture it as well (`SlotModel.graph_experts`): it reads only the experts some token picked
+and does k/E of `dense`'s multiply-adds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +58,8 @@ def route(h: torch.Tensor, mlp: MoeMlp, shape: MoeShape) -> tuple[torch.Tensor, 
 
 
 Act = Callable[[torch.Tensor], torch.Tensor]
+GraphExperts = Literal["dense", "grouped"]
+"""How a captured (static) decode step runs the experts: `dense`, or `sparse`'s grouped matmuls."""
 
 
 def sparse(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, mlp: MoeMlp, act: Act) -> torch.Tensor:

@@ -127,3 +127,19 @@ def test_a_bench_stopped_by_sigterm_takes_its_training_run_with_it(tiny_model_di
             break
         time.sleep(0.1)
     assert alive() == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in alive()]
+
+
+def test_the_engine_alone_rows_warm_start_when_no_run_did(tiny_model_dir: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capfd: pytest.CaptureFixture[str]) -> None:
+    """`E2E_GPU_ETAS=` (the engine-alone rows alone, on a machine whose earlier warm-start is gone): the
+    warm-start is made in a process of its own, into the cache entry `train` would use, then found there."""
+    from benchmarks.e2e_gpu import warm_started
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    small = ["warmstart.stages=[]", "warmstart.examples=32", "warmstart.batch_size=16"]
+    first = warm_started(tiny_model_dir, "configs/local.yaml", small)
+    assert first.is_relative_to(tmp_path / "cache") and (first / "config.json").is_file()
+    assert "warm-start trained" in capfd.readouterr().out
+    assert warm_started(tiny_model_dir, "configs/local.yaml", small) == first
+    assert "warm-start found in the cache" in capfd.readouterr().out

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from slime_async.engine.graphs import Capture, CudaCapture, GraphDecoder, eager_capture
 from slime_async.engine.model import SlotModel
+from slime_async.engine.moe import GraphExperts
 from slime_async.moe.routing import decode_sglang
 from slime_async.moe.shape import moe_shape
 
@@ -81,10 +82,10 @@ def test_prefill_and_decode_logits_and_routes_equal_hf(hf_moe: torch.nn.Module) 
             assert torch.equal(slots.step_routes[i], routes[-1].int())
 
 
-def static_and_eager_steps_agree(model: torch.nn.Module, capture: Capture) -> None:
-    """The graph's step (dense experts over a padded batch) gives the eager step's logits and ids."""
+def static_and_eager_steps_agree(model: torch.nn.Module, capture: Capture, experts: GraphExperts) -> None:
+    """The graph's step (`experts`: dense or grouped, over a padded batch) gives the eager step's logits and ids."""
     def run(graph: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        slots = SlotModel(model, max_slots=4, max_len=64, initial_len=32)
+        slots = SlotModel(model, max_slots=4, max_len=64, initial_len=32, graph_experts=experts)
         decoder = GraphDecoder(slots, capture, buckets=[4]) if graph else None
         slots.prefill_batch(0, PROMPTS)
         out, tokens, positions = [], [3, 4, 5], [len(p) for p in PROMPTS]
@@ -99,17 +100,34 @@ def static_and_eager_steps_agree(model: torch.nn.Module, capture: Capture) -> No
         assert torch.equal(ra, rb)
 
 
-def test_static_step_equals_eager_step(hf_moe: torch.nn.Module) -> None:
-    static_and_eager_steps_agree(hf_moe, eager_capture)
+@pytest.mark.parametrize("experts", ["dense", "grouped"])
+def test_static_step_equals_eager_step(hf_moe: torch.nn.Module, experts: GraphExperts) -> None:
+    static_and_eager_steps_agree(hf_moe, eager_capture, experts)
+
+
+def test_the_grouped_static_step_never_runs_every_expert(hf_moe: torch.nn.Module,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`graph_experts="grouped"`: the static step takes the sparse path, not the dense one."""
+    from slime_async.engine import moe
+
+    def every_expert(*args: object) -> torch.Tensor:
+        raise AssertionError("the dense experts ran")
+
+    monkeypatch.setattr(moe, "dense", every_expert)
+    static_and_eager_steps_agree(hf_moe, eager_capture, "grouped")
+    with pytest.raises(AssertionError, match="dense experts ran"):
+        static_and_eager_steps_agree(hf_moe, eager_capture, "dense")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_recorded_cuda_graph_step_equals_the_eager_step(moe_dir: Path) -> None:
+@pytest.mark.parametrize("experts", ["dense", "grouped"])
+def test_a_recorded_cuda_graph_step_equals_the_eager_step(moe_dir: Path, experts: GraphExperts) -> None:
     """On a GPU the engine replays recorded CUDA graphs of the static step (`CudaCapture`): the same
-    logits and expert ids as the eager step, float32."""
+    logits and expert ids as the eager step, float32; `grouped`: the grouped matmuls and the device-side
+    sort captured in the graph."""
     model = AutoModelForCausalLM.from_pretrained(moe_dir).to("cuda").eval()
-    static_and_eager_steps_agree(model, CudaCapture())
+    static_and_eager_steps_agree(model, CudaCapture(), experts)
 
 
 def test_unsupported_moe_config_is_one_clear_error(hf_moe: torch.nn.Module, moe_dir: Path, tmp_path: Path) -> None:

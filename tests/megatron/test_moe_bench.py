@@ -13,27 +13,34 @@ def test_moe_benchmark_runs_shrunk_on_cpu(monkeypatch: pytest.MonkeyPatch) -> No
              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 96,
              "vocab_size": 300}
     for name, value in (("DEVICE", "cpu"), ("TRAIN_DTYPE", "float32"), ("SEQ", 32), ("SEQUENCES", 2),
-                        ("LAYERS", 2), ("SHAPE", shape), ("CONCURRENCY", 32), ("PROMPT", 8),
+                        ("MICROS", (1, 2)), ("LAYERS", 2), ("SHAPE", shape), ("CONCURRENCY", 32), ("PROMPT", 8),
                         ("DECODE_STEPS", 2)):
         monkeypatch.setattr(bench, name, value)
     result = bench.run(quick=True)
     assert not result.details["errors"], result.details["errors"]
     decode = "engine decode, 32 requests"
-    assert [r[:2] for r in result.rows] == [["train step", "routed by the model"], ["train step", "routing replay"],
-                                           ["step profile (GPU ms)", "routed by the model"],
-                                           ["train step", "grouped, Megatron's all-to-all dispatcher"],
-                                           ["train step", "SequentialMLP, routed by the model"],
-                                           ["train step", "dense, same active parameters"],
-                                           [decode, "MoE, eager step (grouped experts)"],
-                                           [decode, "MoE, CUDA-graph step (all experts, zero-weighted)"],
-                                           [decode, "dense, eager step"], [decode, "dense, CUDA-graph step"]]
-    for key in ("routed by the model", "routing replay", "grouped, Megatron's all-to-all dispatcher",
-                "SequentialMLP, routed by the model"):
+    names = [r[:2] for r in result.rows]
+    # the profile runs at the faster micro-batch size, either of the two here
+    assert names[3][0] == "step profile (GPU ms)" and names[3][1].startswith("routed by the model")
+    assert names[:3] + names[4:] == [["train step", "routed by the model"], ["train step", "routing replay"],
+                                     ["train step", "routed by the model, micro-batch 2"],
+                                     ["train step", "grouped, Megatron's all-to-all dispatcher"],
+                                     ["train step", "SequentialMLP, routed by the model"],
+                                     ["train step", "dense, same active parameters"],
+                                     ["train step", "dense, same active parameters, micro-batch 2"],
+                                     [decode, "MoE, eager step"], [decode, "MoE, CUDA-graph step"],
+                                     [decode, "MoE, CUDA-graph step, grouped experts"],
+                                     [decode, "dense, eager step"], [decode, "dense, CUDA-graph step"]]
+    assert result.details["train"]["routed by the model, micro-batch 2"]["micro_batch"] == 2
+    assert set(result.details["decode_profile"]) == {"MoE, eager step", "MoE, CUDA-graph step",
+                                                     "MoE, CUDA-graph step, grouped experts"}
+    for key in ("routed by the model", "routed by the model, micro-batch 2", "routing replay",
+                "grouped, Megatron's all-to-all dispatcher", "SequentialMLP, routed by the model"):
         train = result.details["train"][key]
         assert train["tflops"] > 0 and train["metrics"]["moe/aux_loss"] > 0.5
     dense = result.details["train"]["dense, same active parameters"]
     assert dense["tflops"] > 0 and "moe/aux_loss" not in dense["metrics"]
-    assert all(rate > 0 for rate in result.details["decode"].values()) and len(result.details["decode"]) == 4
+    assert all(rate > 0 for rate in result.details["decode"].values()) and len(result.details["decode"]) == 5
     assert "SequentialMLP" in result.headline and "all-to-all" in result.headline and "MoE/dense" in result.headline
     assert result.details["grouped_kernel"] == "torch._grouped_mm"
     assert result.details["train"]["routing replay"]["metrics"]["moe/route_mismatch"] > 0.3

@@ -403,6 +403,26 @@ def test_local_dispatch_groups_rows_by_expert_and_sums_them_back() -> None:
     torch.testing.assert_close(weights, probs[token_of_row, expert_of_row])
 
 
+def test_take_rows_is_a_gather_of_repeated_rows_forward_and_backward() -> None:
+    """`take_rows` (the dispatcher's permutation, whose backward is a copy and a sum over k instead of an
+    atomic scatter-add) against autograd of the plain form, `x.repeat_interleave(k)[order]`, and torch's
+    numerical gradient check."""
+    from slime_async.train.megatron.local_dispatch import take_rows
+
+    tokens, k, hidden = 6, 3, 4
+    g = torch.Generator().manual_seed(1)
+    order = torch.randperm(tokens * k, generator=g)
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(tokens * k, hidden, generator=g, dtype=torch.float64)
+    got = take_rows(x, order, k)
+    want = x.repeat_interleave(k, dim=0)[order]
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    (got_grad,) = torch.autograd.grad(got, x, upstream)
+    (want_grad,) = torch.autograd.grad(want, x, upstream)
+    torch.testing.assert_close(got_grad, want_grad)
+    assert torch.autograd.gradcheck(lambda t: take_rows(t, order, k), (x,))
+
+
 def test_grouped_experts_compute_what_sequential_mlp_computes(moe_dir: Path) -> None:
     """`train.megatron.moe_grouped_gemm` (the default; two `torch._grouped_mm` per layer over stacked
     weights) against Megatron's SequentialMLP (a loop over the experts) on the same weights: logprobs

@@ -19,8 +19,9 @@ tokens a step, `bench megatron_moe_gpu`): 75 ms idle of 1,048, and 1.22x the tok
   within an expert in token order (as Megatron's permutation and the engine's grouped step);
 - tokens per expert: the ids counted on the device (`moe.experts.sort_by_expert`, with `order`;
   `GroupedExperts` takes group ends from there);
-- rows = each token repeated k times, taken in `order` (an `index_select` whose backward adds each
-  row's gradient to one place; the k copies' gradients are then summed per token, in a fixed order);
+- rows = each token's k copies taken in `order` (`take_rows`: a gather forward; backward puts each
+  row's gradient back in [token, k] order, a permutation with no atomic adds, and sums the k copies
+  per token in a fixed order);
 - the experts' outputs, already weighted by their routing weights, put back in [token, k] order by
   `order` and summed over k.
 
@@ -35,6 +36,32 @@ from typing import Any
 import torch
 
 from slime_async.moe.experts import sort_by_expert
+
+
+class _TakeRows(torch.autograd.Function):
+    """rows [T*k, H] = x[order // k] for x [T, H] and `order` a permutation of range(T*k)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (order,) = ctx.saved_tensors
+        # `order` is a permutation: each row's gradient lands in its own place (a copy, not an add)
+        unsorted = torch.empty_like(grad).index_copy_(0, order, grad)
+        return unsorted.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None
+
+
+def take_rows(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token of x [T, H] k times, the T*k copies taken in `order` (a permutation of range(T*k), copy
+    j of token t at t*k + j): `x.repeat_interleave(k, 0)[order]`. The obvious autograd of that (an
+    `index_select` of the repeated rows) backs into a scatter-add with atomics over T*k rows, in bf16:
+    37 ms of a 1,048 ms step on an H100 (`bench megatron_moe_gpu`'s profile); this backward is a
+    permutation and a sum over k."""
+    return _TakeRows.apply(x, order, k)
 
 
 class LocalSortDispatcher:
@@ -52,16 +79,15 @@ class LocalSortDispatcher:
         """(hidden [.., H], routing map [T, E] bool, probs [T, E]) -> (rows [T*k, H] by expert, their weights)."""
         self._shape = hidden.shape
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        tokens, k = hidden.shape[0], self.topk
+        k = self.topk
         # a bool has no top-k; any number type ranks the k set entries first
         ids = torch.topk(routing_map.to(torch.int32), k, dim=1, sorted=False).indices
         # counted from the same ids as `order` (not the map's column sums), so the experts' groups cover
         # every row even for a map that is not k-hot (such a row then carries a zero routing weight)
         order, self._tokens_per_expert = sort_by_expert(ids.reshape(-1), self.num_experts)
         self._order = order
-        rows = hidden.unsqueeze(1).expand(tokens, k, hidden.shape[1]).reshape(tokens * k, -1)
         weights = probs.gather(1, ids).reshape(-1)
-        return rows.index_select(0, order), weights.index_select(0, order)
+        return take_rows(hidden, order, k), weights.index_select(0, order)
 
     def token_dispatch(self, hidden: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return hidden, probs  # no rank to send to
