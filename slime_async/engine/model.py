@@ -260,8 +260,7 @@ class SlotModel:
             x = x + F.linear(out.transpose(1, 2).reshape(b, s, nh * hd), layer.o)
             h = F.rms_norm(x, (x.shape[-1],), layer.ln2, self.eps)
             if layer.moe is not None and self.moe is not None:
-                out, chosen = moe_forward(h, layer.moe, self.moe, self.act,
-                                          static and self.graph_experts == "dense")
+                out, chosen = moe_forward(h, layer.moe, self.moe, self.act, static, self.graph_experts)
                 x = x + out
                 if record:
                     routes.append(chosen)

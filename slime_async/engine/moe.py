@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slime_async.moe.experts import group_ends, swiglu_experts
+from slime_async.moe.experts import can_group, group_ends, swiglu_experts
 from slime_async.moe.shape import MoeShape
 
 
@@ -83,10 +83,14 @@ def dense(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, mlp: MoeMlp
     return (out * share.T[:, :, None]).sum(dim=0)
 
 
-def moe_forward(h: torch.Tensor, mlp: MoeMlp, shape: MoeShape, act: Act, static: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the MLP's output, expert ids [..., k]) for h [..., H]."""
+def moe_forward(h: torch.Tensor, mlp: MoeMlp, shape: MoeShape, act: Act, static: bool,
+                graph_experts: GraphExperts = "dense") -> tuple[torch.Tensor, torch.Tensor]:
+    """(the MLP's output, expert ids [..., k]) for h [..., H]. `static` (a step a CUDA graph may capture):
+    `graph_experts` says how, and `grouped` falls back to `dense` where `torch._grouped_mm` cannot run
+    (float32 on a GPU, say): its per-expert fallback reads the group ends on the host, which a graph
+    cannot capture."""
     flat = h.reshape(-1, h.shape[-1])
     weights, ids = route(flat, mlp, shape)
-    out = (dense if static else sparse)(flat, weights, ids, mlp, act)
+    use_dense = static and (graph_experts == "dense" or not can_group(flat, mlp.gate_up.transpose(1, 2)))
+    out = (dense if use_dense else sparse)(flat, weights, ids, mlp, act)
     return out.view(h.shape), ids.view(*h.shape[:-1], ids.shape[-1])

@@ -178,12 +178,29 @@ def test_the_warm_start_writes_progress_lines_into_a_log(tiny_model_dir: Path, t
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from rich.console import Console
 
-    from slime_async.launch.train_run import _warm_start
+    from slime_async.launch import train_run
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # its own cache: trained here, not found
+    given_back = []
+    monkeypatch.setattr(train_run, "give_back_device_memory", lambda: given_back.append(True))
     log = io.StringIO()  # not a terminal: a progress bar would draw nothing there
-    _, info = _warm_start(config(f"model.path={tiny_model_dir}"), Console(file=log, width=200))
+    _, info = train_run._warm_start(config(f"model.path={tiny_model_dir}"), Console(file=log, width=200))
     lines = [line for line in log.getvalue().splitlines() if line.strip()]
     assert info is not None and not info["cached"] and info["steps"] == 4
+    assert given_back == [True]  # the launcher keeps none of the warm-start's device memory for the run
     assert [line.split(",")[0] for line in lines[:-1]] == [f"warm-start step {i}/4" for i in range(1, 5)]
     assert lines[-1].startswith("warm-start: trained")
+
+
+@pytest.mark.parametrize("initialized", [True, False])
+def test_the_launcher_gives_back_the_device_cache(monkeypatch: pytest.MonkeyPatch, initialized: bool) -> None:
+    """After the warm-start (trained in the launcher's process), PyTorch's cached device memory goes back
+    to the device, where CUDA was used at all."""
+    from slime_async.launch.train_run import give_back_device_memory
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    give_back_device_memory()
+    assert emptied == ([True] if initialized else [])
