@@ -270,7 +270,6 @@ def _warm_main(config: str, overrides: list[str]) -> None:
     print(f"  warm-start {'found in the cache' if cached else 'trained'}: {path}", flush=True)
 
 
-
 def generation_alone(model: Path, tmp: Path, config: str = CONFIG, groups: int = 96,
                      concurrencies: tuple[int, ...] = CONCURRENCY) -> list[dict[str, Any]]:
     """The warm-started model in one engine (as the run's), and `slime-async rollout` against it at each
