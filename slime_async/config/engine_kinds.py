@@ -65,6 +65,12 @@ class EngineKind:
     applies (vLLM's `/v1/load_lora_adapter`), instead of the merged weights of the adapted layers.
     vLLM's in-place reload reads whole checkpoints only, and adapters are a few percent of the bytes."""
 
+    @property
+    def default_partial_mode(self) -> Literal["in_place", "abort"]:
+        """`rollout.partial_mode` when the config leaves it unset: `abort` where in-place pushes leave
+        stale prefixes (`stale_prefixes_in_place`), else `in_place`."""
+        return "abort" if self.stale_prefixes_in_place else "in_place"
+
 
 ADAPTER_NAME = "policy"
 """The name an engine serves the trained LoRA adapters under: requests ask for it as their model."""

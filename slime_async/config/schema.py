@@ -773,7 +773,7 @@ class Config(_Section):
                                  "teacher's logprobs are plain log-softmax, the student's are of what it sampled from")
         kind = engine_kind(self.engine.kind)  # what the kind can honour (`config.engine_kinds`)
         if self.rollout.partial_mode is None:
-            self.rollout.partial_mode = "abort" if kind.stale_prefixes_in_place else "in_place"
+            self.rollout.partial_mode = kind.default_partial_mode
         elif (self.rollout.partial_mode == "in_place" and kind.stale_prefixes_in_place
               and not getattr(self.sglang, "disable_radix_cache", None)):
             raise ValueError(f"rollout.partial_mode: in_place with engine.kind {kind.name}: {kind.label}'s radix cache "

@@ -108,8 +108,7 @@ class WeightPublisher:
         given to `publish` are then the adapters under peft's names."""
         self.base_model = base_model
         """The model the adapters apply to (`adapter_config.json`'s `base_model_name_or_path`)."""
-        if partial_mode is None:  # the kind's default (`rollout.partial_mode`)
-            partial_mode = "abort" if self.kind.stale_prefixes_in_place else "in_place"
+        partial_mode = partial_mode or self.kind.default_partial_mode  # None: as `rollout.partial_mode`
         self.pause_how = ((self.kind.abort_pause_route, dict(self.kind.abort_pause_body)) if partial_mode == "abort"
                           else (self.kind.pause_route, dict(self.kind.pause_body)))
         """`rollout.partial_mode`: requests in flight at a push go on under the new weights (in place) or

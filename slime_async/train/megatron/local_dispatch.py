@@ -38,6 +38,14 @@ import torch
 from slime_async.moe.experts import sort_by_expert
 
 
+def sum_back(rows: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, H]: rows [T*k, H] in `order` (a permutation of range(T*k)) put back in [token, k] order and
+    summed over each token's k. `order` being a permutation, each row lands in its own place: a copy,
+    not an (atomic) add. Combine's forward and `take_rows`' backward."""
+    unsorted = torch.empty_like(rows).index_copy_(0, order, rows)
+    return unsorted.view(-1, k, rows.shape[-1]).sum(dim=1)
+
+
 class _TakeRows(torch.autograd.Function):
     """rows [T*k, H] = x[order // k] for x [T, H] and `order` a permutation of range(T*k)."""
 
@@ -50,9 +58,7 @@ class _TakeRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (order,) = ctx.saved_tensors
-        # `order` is a permutation: each row's gradient lands in its own place (a copy, not an add)
-        unsorted = torch.empty_like(grad).index_copy_(0, order, grad)
-        return unsorted.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None
+        return sum_back(grad, order, ctx.k), None, None
 
 
 def take_rows(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
@@ -109,9 +115,7 @@ class LocalSortDispatcher:
     def combine_postprocess(self, output: torch.Tensor) -> torch.Tensor:
         """Expert outputs [T*k, H] in expert order (already weighted) -> [.., H]: each token's k summed."""
         assert self._order is not None and self._shape is not None, "combine before dispatch"
-        unsorted = torch.empty_like(output).index_copy(0, self._order, output)
-        summed = unsorted.view(-1, self.topk, output.shape[-1]).sum(dim=1)
-        return summed.view(self._shape)
+        return sum_back(output, self._order, self.topk).view(self._shape)
 
 
 def use_local_dispatch(model: torch.nn.Module) -> int:
