@@ -39,6 +39,8 @@ from slime_async.rundir.run_log import append_event
 from slime_async.types.oom import OUT_OF_MEMORY_EXIT
 
 HOST, PORT, CONFIG = "@HOST@", "@PORT@", "@CONFIG@"
+PORT_TRIES = 3
+"""Ports a part is started on before its start fails: a port found free can be taken before the part binds it."""
 """Placeholders in a part's command line, filled in where the process starts: the address it binds
 to and announces, a port (the requested one, or a free one there), the config file it reads."""
 
@@ -123,6 +125,9 @@ class LocalLauncher:
     teacher_urls: list[str] = field(default_factory=list)
     """On-policy distillation's teacher servers (`train.distill`): started here, or attached."""
 
+    _on_event: Callable[[str], None] = field(default_factory=lambda: _quiet, init=False, repr=False)
+    """Shows an event on the console; `start` sets it."""
+
     def start(self, on_event: Callable[[str], None] | None = None) -> None:
         self._on_event = on_event or (lambda message: None)
         if self.cfg.train.world_size > 1 and self.with_trainer and not self.distributed:
@@ -167,7 +172,20 @@ class LocalLauncher:
         The process gets `orphan_signal` if this launcher dies without shutting it down; with
         `own_group` it leads a process group that goes with it (a server with processes of its own)."""
         host = self.cfg.engine.host
-        port = port or free_port(host)
+        for attempt in range(1, PORT_TRIES + 1):
+            chosen = port or free_port(host)
+            try:
+                return self._spawn_on(name, argv, ready, host, chosen, health_url=health_url,
+                                      orphan_signal=orphan_signal, own_group=own_group, env=env)
+            except RuntimeError as exc:
+                # the port was free when asked for, and taken before the part bound it: choose another
+                if port or attempt == PORT_TRIES or "address already in use" not in str(exc).lower():
+                    raise
+                self._event(f"{name}: port {chosen} was taken before it bound it; trying another")
+        raise AssertionError("unreachable")
+
+    def _spawn_on(self, name: str, argv: list[str], ready: str | None, host: str, port: int, *,
+                  health_url: str | None, orphan_signal: int, own_group: bool, env: dict[str, str] | None) -> Child:
         argv = [fill(a, host, port, str(self.config_path)) for a in argv]
         preflight(argv)
         timeout = self.cfg.launch.ready_timeout_s
@@ -381,6 +399,10 @@ class LocalLauncher:
         for part in sorted(self.parts, key=lambda p: order.get(p.name.split("-")[0], 9)):
             if part.child is not None:
                 part.child.stop()
+
+
+def _quiet(message: str) -> None:
+    """Shows nothing: events before `LocalLauncher.start` names where they go."""
 
 
 def fill(text: str, host: str, port: int, config: str) -> str:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
-import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -14,7 +16,7 @@ import pytest
 import torch
 from helpers import PROMPTS, greedy_body, hf_greedy
 
-from slime_async.launch.process import start_engine
+from slime_async.launch.process import ChildProcess, start_engine, start_process
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +32,42 @@ async def workers(session: aiohttp.ClientSession, url: str) -> dict[str, bool]:
         return {w["url"]: w["is_healthy"] for w in (await resp.json())["workers"]}
 
 
-async def wait_until(predicate, timeout: float = 60.0) -> None:
-    """Poll an async condition (bounded); fail with the last state if it never holds."""
+def start_router(worker_urls: list[str], log_dir: Path) -> tuple[ChildProcess, str]:
+    """The router on a free port, its output logged. A port found free can be taken by another process
+    before the router binds it (it then exits: "Address already in use"): try another, a few times."""
+    for attempt in range(3):
+        port = free_port()
+        router = start_process(
+            "router", [str(Path(sys.executable).with_name("sglang-router")), "launch", "--worker-urls", *worker_urls,
+                       "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+                       "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "warn"],
+            None, log_path=log_dir / f"router-{attempt}.log")
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):  # bounded (120 s): it binds at once, before its workers are healthy
+            if not router.alive():
+                break
+            try:  # the router's own answer, not whoever else may have taken the port
+                with urllib.request.urlopen(url + "/workers", timeout=5) as resp:
+                    if "workers" in json.loads(resp.read()):
+                        return router, url
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        else:
+            router.stop()
+            pytest.fail(f"the router did not listen on port {port} in 120 s:\n{router.tail(50)}")
+        if "Address already in use" not in router.tail(50):
+            pytest.fail(f"the router exited with code {router.returncode}:\n{router.tail(50)}")
+    pytest.fail(f"the router found no free port in 3 tries:\n{router.tail(50)}")
+
+
+async def wait_until(predicate, timeout: float = 60.0, alive: ChildProcess | None = None) -> None:
+    """Poll an async condition (bounded); fail with the last state if it never holds, or at once with
+    its output if `alive` (the process that must answer) has exited."""
     last = None
     for _ in range(int(timeout / 0.2)):
+        if alive is not None and not alive.alive():
+            pytest.fail(f"{alive.name} exited with code {alive.returncode}:\n{alive.tail(50)}")
         try:
             ok, last = await predicate()
         except aiohttp.ClientError as exc:
@@ -45,18 +79,12 @@ async def wait_until(predicate, timeout: float = 60.0) -> None:
 
 
 async def test_router_routes_to_both_engines_and_detects_a_dead_one(
-    varied_model_dir: Path, reference: torch.nn.Module
+    varied_model_dir: Path, reference: torch.nn.Module, tmp_path: Path
 ) -> None:
     a, b = start_engine(varied_model_dir), start_engine(varied_model_dir)
-    port = free_port()
-    router = subprocess.Popen(
-        [str(Path(sys.executable).with_name("sglang-router")), "launch", "--worker-urls", a.url, b.url,
-         "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-         "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "warn"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+    router: ChildProcess | None = None
     try:
+        router, url = start_router([a.url, b.url], tmp_path)
         async with aiohttp.ClientSession() as session:
             async def both_healthy():
                 state = await workers(session, url)
@@ -64,7 +92,7 @@ async def test_router_routes_to_both_engines_and_detects_a_dead_one(
 
             # two engine processes and the router start (the router waits for its workers): on 2 cores shared
             # with another test worker this took over a minute once
-            await wait_until(both_healthy, timeout=180.0)
+            await wait_until(both_healthy, timeout=180.0, alive=router)
             bodies = [greedy_body(ids, n=10) for ids in PROMPTS * 2]
             outs = []
             for body in bodies:
@@ -86,13 +114,13 @@ async def test_router_routes_to_both_engines_and_detects_a_dead_one(
                 state = await workers(session, url)
                 return state.get(a.url) is False, state
 
-            await wait_until(a_unhealthy)
+            await wait_until(a_unhealthy, alive=router)
             for body in bodies[:4]:
                 async with session.post(url + "/generate", json=body) as resp:
                     assert resp.status == 200
                     assert (await resp.json())["output_ids"] == hf_greedy(reference, body["input_ids"], 10)
     finally:
-        router.terminate()
-        router.wait(timeout=20)
+        if router is not None:
+            router.stop()
         a.stop()
         b.stop()

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
+import socket
+import sys
 from pathlib import Path
 
 import pytest
 
 from slime_async.buffer import BufferClient
 from slime_async.config import load_config, to_yaml
-from slime_async.launch.local import LocalLauncher, PartFailed, compute_threads
+from slime_async.launch import local
+from slime_async.launch.local import HOST, PORT, LocalLauncher, PartFailed, compute_threads
 
 pytestmark = pytest.mark.slow
 
@@ -71,3 +75,31 @@ def test_rollout_side_streams_and_a_killed_worker_is_restarted(tmp_path: Path, v
         trainer.close()
         launcher.shutdown()
     assert all(not p.child.alive() for p in launcher.parts)
+
+
+def test_a_part_whose_port_is_taken_before_it_binds_it_starts_on_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()  # someone else took the port between the launcher's choosing it and the part's binding it
+    chosen = [held.getsockname()[1]]
+
+    def free_port(host: str) -> int:
+        port = chosen[-1] if len(chosen) == 1 else local.free_port.__wrapped__(host)
+        chosen.append(port)
+        return port
+
+    monkeypatch.setattr(local, "free_port", functools.wraps(local.free_port)(free_port))
+    launcher = LocalLauncher(load_config(None, [f"run.dir={tmp_path}"]), tmp_path / "config.yaml", tmp_path)
+    web = [sys.executable, "-u", "-m", "http.server", PORT, "--bind", HOST]
+    try:
+        child = launcher.spawn("web", web, r"Serving HTTP on \S+ port (\d+)")
+        assert chosen[1:] == [held.getsockname()[1], int(child.ready)] and chosen[2] != chosen[1]
+        assert launcher.events == [f"web: port {chosen[1]} was taken before it bound it; trying another"]
+        child.stop()
+        # a port the config names is not changed: the error says why it did not start
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            launcher.spawn("web", web, r"Serving HTTP on \S+ port (\d+)", port=held.getsockname()[1])
+    finally:
+        held.close()
