@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import RESULTS_DIR, Result
-from benchmarks._runs import REPO, run_training
+from benchmarks._engine_alone import generation_alone, warm_started
+from benchmarks._runs import run_training
 
 DESCRIPTION = ("the whole loop on one GPU (0.5B/1.5B shapes, Megatron trainer + embedded CUDA-graph engine): "
                "async/lockstep, throughput/bound, held-out success before/after, adaptive concurrency "
@@ -129,10 +130,11 @@ def measure_shape(shape: str, steps: int, tmp: Path, device: str, etas: list[int
         save(summarise(shape, runs, generation or [], made_s, device) | {"failed": failed})
     if with_generation:  # on the warm-started weights: a run's, or (an earlier call's, gone) made now
         warm = next((Path(r["warmstart"]["path"]) for r in reversed(runs.values())
-                     if Path(r["warmstart"]["path"]).is_dir()), None) or warm_started(model)
+                     if Path(r["warmstart"]["path"]).is_dir()), None) or warm_started(model, CONFIG, OVERRIDES)
         (tmp / f"gen-{shape}").mkdir(parents=True, exist_ok=True)
         commit = os.environ.get("SLIME_ASYNC_BENCH_COMMIT")  # these rows may be of a later call than the runs
-        generation = [row | {"commit": commit} for row in generation_alone(warm, tmp / f"gen-{shape}")]
+        generation = [row | {"commit": commit} for row in generation_alone(warm, tmp / f"gen-{shape}", CONFIG,
+                                                                    concurrencies=CONCURRENCY)]
     return summarise(shape, runs, generation or [], made_s, device) | {"failed": failed}
 
 
@@ -238,74 +240,6 @@ def sampling_gpu() -> Iterator[GpuSampler]:
         yield sampler
     finally:
         sampler.stop()
-
-
-# --- the engine alone ------------------------------------------------------------------------------
-
-
-def warm_started(model: Path, config: str = CONFIG, overrides: list[str] | None = None) -> Path:
-    """The warm-start of `model` that `train` runs under `config` (the same cache entry): found in the
-    cache, or trained now in a process of its own (so that this one holds no GPU memory after it), as
-    the engine-alone rows need when no training run of this call made it (`E2E_GPU_ETAS=`)."""
-    from slime_async.config.loader import load_config
-    from slime_async.models.tiny_model import default_cache_dir
-    from slime_async.train.warmstart import warmstart_dir
-
-    args = [str(REPO / config), f"model.path={model}", *(OVERRIDES if overrides is None else overrides)]
-    subprocess.run([sys.executable, "-c", "import sys; from benchmarks.e2e_gpu import _warm_main; "
-                    "_warm_main(sys.argv[1], sys.argv[2:])", *args], cwd=REPO, check=True)
-    out = warmstart_dir(load_config(args[0], args[1:]), model, default_cache_dir())
-    if not (out / "config.json").is_file():
-        raise RuntimeError(f"the warm-start of {model} left no model at {out}")
-    return out
-
-
-def _warm_main(config: str, overrides: list[str]) -> None:
-    from slime_async.config.loader import load_config
-    from slime_async.models.tiny_model import default_cache_dir
-    from slime_async.train.warmstart import warm_start
-
-    cfg = load_config(config, overrides)
-    path, cached = warm_start(cfg, Path(cfg.model.path), default_cache_dir())
-    print(f"  warm-start {'found in the cache' if cached else 'trained'}: {path}", flush=True)
-
-
-def generation_alone(model: Path, tmp: Path, config: str = CONFIG, groups: int = 96,
-                     concurrencies: tuple[int, ...] = CONCURRENCY) -> list[dict[str, Any]]:
-    """The warm-started model in one engine (as the run's), and `slime-async rollout` against it at each
-    hand-set concurrency and with adaptive concurrency: episodes and tokens per second. A first rollout
-    of a few groups, not counted, pays the one-time costs (the first replays of each CUDA graph, the
-    tokenizer) that would otherwise all fall on the first row."""
-    from slime_async.config.loader import load_config
-    from slime_async.launch.process import start_engine
-    from slime_async.launch.rollout_run import rollout_to_file
-
-    cfg = load_config(str(REPO / config))
-    engine = start_engine(model, "--device", cfg.model.device, "--dtype", cfg.model.dtype, "--max-batch-size",
-                          str(cfg.engine.max_batch_size), timeout=300)
-    rows = []
-    try:
-        for concurrency in ["warm-up", *concurrencies, "adaptive"]:
-            adaptive = concurrency == "adaptive"
-            limit = concurrency if isinstance(concurrency, int) else max(concurrencies)  # adaptive: the ceiling
-            run_cfg = load_config(str(REPO / config), [
-                f"engine.urls=[{engine.url}]", f"model.path={model}", f"rollout.max_concurrency={limit}",
-                f"rollout.adaptive_concurrency={str(adaptive).lower()}"])
-            began = time.monotonic()
-            stats = rollout_to_file(run_cfg, model, tmp / f"rollout-{concurrency}.jsonl",
-                                    max(1, groups // 8) if concurrency == "warm-up" else groups, "train")
-            seconds = time.monotonic() - began
-            if concurrency == "warm-up":
-                continue
-            s = stats.summary()
-            rows.append({"concurrency": concurrency, "episodes": s["episodes"], "seconds": seconds,
-                         "episodes_per_s": s["episodes"] / seconds, "tokens_per_s": stats.tokens / seconds,
-                         "turns_per_s": stats.turns / seconds})
-            print(f"  generation alone, concurrency {concurrency}: {s['episodes'] / seconds:.1f} episodes/s, "
-                  f"{stats.tokens / seconds:.0f} tokens/s", flush=True)
-    finally:
-        engine.stop()
-    return rows
 
 
 # --- figures ---------------------------------------------------------------------------------------

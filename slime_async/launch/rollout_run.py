@@ -39,12 +39,15 @@ def start_embedded_engines(cfg: Config, model_dir: Path) -> list[EngineProcess]:
 
 
 def rollout_to_file(cfg: Config, model_dir: Path, out: Path, groups: int, split: str,
-                    console: Console | None = None) -> RolloutStats:
-    """Run `groups` groups of the configured env and write every kept trajectory to `out`."""
-    return asyncio.run(_rollout(cfg, model_dir, out, groups, split, console or Console()))
+                    console: Console | None = None, limits: list[int] | None = None) -> RolloutStats:
+    """Run `groups` groups of the configured env and write every kept trajectory to `out`. `limits`, when
+    given, gets the episodes-in-flight limit twice a second (with `rollout.adaptive_concurrency`, the
+    one the engines' load set)."""
+    return asyncio.run(_rollout(cfg, model_dir, out, groups, split, console or Console(), limits))
 
 
-async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: str, console: Console) -> RolloutStats:
+async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: str, console: Console,
+                   limits: list[int] | None) -> RolloutStats:
     from transformers import AutoTokenizer
 
     from slime_async.data import build_envs, build_tasks
@@ -82,11 +85,13 @@ async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: 
             )
             # Rollout alone never trains, so nothing would ever raise the version: lift the bound.
             scheduler.budget.max_staleness = 1 << 30
-            with Live(_table(scheduler.stats, groups, out), console=console, refresh_per_second=2) as live:
+            with Live(_table(scheduler, groups, out), console=console, refresh_per_second=2) as live:
                 run = asyncio.ensure_future(scheduler.run(num_groups=groups))
                 while not run.done():
                     await asyncio.wait({run}, timeout=0.5)
-                    live.update(_table(scheduler.stats, groups, out))
+                    live.update(_table(scheduler, groups, out))
+                    if limits is not None:
+                        limits.append(scheduler.concurrency()["limit"])
                 stats = run.result()
             console.print()
     finally:
@@ -97,13 +102,17 @@ async def _rollout(cfg: Config, model_dir: Path, out: Path, groups: int, split: 
     return stats
 
 
-def _table(stats: RolloutStats, groups: int, out: Path) -> Table:
+def _table(scheduler: Scheduler, groups: int, out: Path) -> Table:
+    stats = scheduler.stats
     s: dict[str, Any] = stats.summary()
+    c = scheduler.concurrency()
     table = Table(title=f"rollout -> {out}", show_header=False)
     done = s["groups_sent"] + sum(s["groups_dropped"].values())
     table.add_row("groups", f"{done} / {groups} ({s['groups_sent']} written, dropped: {s['groups_dropped'] or 0})")
     table.add_row("episodes", f"{s['episodes']} ({s['episodes_per_s']:.1f}/s), turns {s['turns_per_s']:.1f}/s")
     table.add_row("tokens/s", f"{s['tokens_per_s']:.0f}")
+    table.add_row("in flight", f"{c['in_flight']} episodes, limit {c['limit']}"
+                  + (" (adaptive: from the engines' load)" if c["adaptive"] else " (rollout.max_concurrency)"))
     table.add_row("mean reward", f"{s['mean_reward']:.3f}")
     table.add_row("stop reasons", ", ".join(f"{k} {v}" for k, v in sorted(s["stop_reasons"].items())) or "-")
     for i, line in enumerate(describe(s["errors"])):

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._engine_alone import generation_alone
 from benchmarks._runs import run_training
-from benchmarks.e2e_gpu import analyse, generation_alone, headline, parse_apps, parse_smi_line, summarise
+from benchmarks.e2e_gpu import analyse, headline, parse_apps, parse_smi_line, summarise
+from slime_async.types import Trajectory
+from slime_async.types.codec import from_json
 
 pytestmark = pytest.mark.slow
 
@@ -53,10 +56,33 @@ def test_a_real_run_is_analysed_and_summarised(tiny_model_dir: Path, tmp_path: P
     assert line.startswith("on cpu: tiny: async/lockstep 1.00x at eta 2") and "0.95x the best hand-set (16)" in line
 
 
-def test_generation_alone_drives_one_engine_at_each_concurrency(tiny_model_dir: Path, tmp_path: Path) -> None:
-    rows = generation_alone(tiny_model_dir, tmp_path, "configs/local.yaml", groups=2, concurrencies=(4, 8))
-    assert [r["concurrency"] for r in rows] == [4, 8, "adaptive"]
+def test_generation_alone_drives_one_engine_at_each_concurrency(tiny_model_dir: Path, tmp_path: Path,
+                                                                capfd: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.adaptive_concurrency import headline as adaptive_headline
+    from benchmarks.adaptive_concurrency import summarise as adaptive_summary
+
+    rows = generation_alone(tiny_model_dir, tmp_path, "configs/local.yaml", groups=2, concurrencies=(4, 16),
+                            overrides=["rollout.sampling.max_new_tokens=5"])
+    assert [r["concurrency"] for r in rows] == [4, 16, "adaptive"]
     assert all(r["episodes"] == 16 and r["episodes_per_s"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    # a hand-set row keeps its limit; the adaptive one moves between its floor (a group: 8) and ceiling (16)
+    assert (rows[0]["limit_median"], rows[1]["limit_last"]) == (4, 16)
+    assert 8 <= rows[2]["limit_median"] <= 16 and 8 <= rows[2]["limit_last"] <= 16
+    shown = capfd.readouterr().out  # rollout's table says what limits the episodes in flight, and why
+    assert "limit 4 (rollout.max_concurrency)" in shown and "(adaptive: from the engines' load)" in shown
+    for row in rows:  # the overrides reached every row
+        lines = (tmp_path / f"rollout-{row['concurrency']}.jsonl").read_text().splitlines()
+        turns = [t for line in lines for t in from_json(line, Trajectory).turns]
+        assert len(lines) == 16 and all(len(t.completion_ids) <= 5 for t in turns)
+        assert any(t.finish_reason == "length" for t in turns)
+
+    setting = adaptive_summary(rows)
+    best = max(rows[:2], key=lambda r: r["episodes_per_s"])
+    assert setting["best_hand_set"] == best["concurrency"]
+    assert setting["adaptive_vs_best"] == pytest.approx(rows[2]["episodes_per_s"] / best["episodes_per_s"])
+    line = adaptive_headline({"instant tools": setting, "slow tools": setting | {"adaptive_vs_best": 0.95}})
+    assert line.endswith("(goal 0.9, met)") == (setting["adaptive_vs_best"] >= 0.9)
+    assert f"0.95 with slow tools (best hand-set {best['concurrency']})" in line
 
 
 def test_a_shape_run_in_parts_says_what_is_not_run_yet() -> None:
@@ -134,7 +160,7 @@ def test_the_engine_alone_rows_warm_start_when_no_run_did(tiny_model_dir: Path, 
                                                            capfd: pytest.CaptureFixture[str]) -> None:
     """`E2E_GPU_ETAS=` (the engine-alone rows alone, on a machine whose earlier warm-start is gone): the
     warm-start is made in a process of its own, into the cache entry `train` would use, then found there."""
-    from benchmarks.e2e_gpu import warm_started
+    from benchmarks._engine_alone import warm_started
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     small = ["warmstart.stages=[]", "warmstart.examples=32", "warmstart.batch_size=16"]
