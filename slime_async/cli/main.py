@@ -188,7 +188,8 @@ def serve(
 def init_model(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the model into.", show_default=False)],
     preset: Annotated[str, typer.Option(
-        help="Model size: tiny (~3.4M), tiny-moe (Qwen3-MoE, 8 experts, top-2), small, 100m, 0.5b.")] = "tiny",
+        help="Model size: tiny (~3.4M), tiny-moe (Qwen3-MoE, 8 experts, top-2), small, 100m, 0.5b, 1.5b "
+             "(the last two Qwen2.5's shapes).")] = "tiny",
     seed: int = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace OUT_DIR if it exists.")] = False,
 ) -> None:
@@ -304,6 +305,29 @@ def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
     """Print the resolved config (file + overrides + defaults) as YAML, once its envs are checked."""
     cfg = _load(config, overrides, model=False)
     sys.stdout.write(to_yaml(cfg))
+
+
+@config_app.command("memory")
+@clear_errors
+def config_memory(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    gpu_gb: Annotated[float | None, typer.Option(
+        "--gpu-gb", help="The GPU's memory in GB (1e9 bytes); default this machine's first GPU's, else 80.")] = None,
+) -> None:
+    """What each part holds in GPU memory with this config on one GPU, and whether it fits (exit 1 if not)."""
+    from slime_async.launch.memory_plan import gpu_total_bytes, plan_for, rows
+
+    cfg = _load(config, overrides)
+    gpu = gpu_gb * 1e9 if gpu_gb is not None else gpu_total_bytes() or 80e9
+    p = plan_for(cfg, gpu)
+    table = Table("part", "item", "memory", title=f"{config} on one GPU of {gpu / 1e9:.1f} GB")
+    for part, item, amount in rows(p):
+        table.add_row(part, item, amount)
+    console.print(table)
+    console.print(p.verdict(), highlight=False, soft_wrap=True)
+    if p.fixed > p.gpu_bytes:
+        raise typer.Exit(1)
 
 
 def main() -> None:

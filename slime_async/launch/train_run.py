@@ -60,6 +60,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, console: C
     console = console or Console()
     check_log_config(cfg.log)
     started = time.monotonic()
+    if ray is None:  # here every part shares this machine's GPU; Ray places them by `launch.placement`
+        _check_gpu_memory(cfg, console)
     run_dir, config_path = prepare_run_dir(cfg, resume, overwrite)
     dashboard = start_dashboard(cfg, run_dir, console)  # live from the start (log.dashboard)
     cfg, warm = _warm_start(cfg, console)
@@ -135,6 +137,27 @@ def _status(console: Console, text: str) -> Iterator[None]:
     else:
         console.print(text)
         yield
+
+
+def _check_gpu_memory(cfg: Config, console: Console) -> None:
+    """On a GPU: say what each part will hold (`launch.memory_plan`), and refuse a run whose fixed parts
+    alone cannot fit, before its warm-start and its parts spend minutes starting."""
+    from slime_async.launch.memory_plan import GB, check_fits, gpu_total_bytes, plan_for
+
+    if cfg.model.device == "cpu" or (gpu := gpu_total_bytes()) is None:
+        return
+    if cfg.model.device == "auto":
+        import torch
+
+        if not torch.cuda.is_available():  # a GPU this torch cannot use: the parts run on the CPU
+            return
+    p = plan_for(cfg, gpu)
+    held = ", ".join(f"{s.part} {s.held / GB:.1f} GB" + (f" + {sum(s.per_token.values()) / 1e6:.2f} MB a "
+                                                         "micro-batch token" if s.per_token else "")
+                     for s in p.shares if not s.alone)
+    console.print(f"GPU memory ({gpu / GB:.0f} GB): {held}; {p.verdict()} (slime-async config memory)",
+                  highlight=False)
+    check_fits(p)
 
 
 def _warm_start(cfg: Config, console: Console) -> tuple[Config, dict[str, Any] | None]:

@@ -15,11 +15,8 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Literal
 
 import msgspec
-
-PresetName = Literal["tiny", "tiny-moe", "small", "100m", "0.5b"]
 
 # Tokens the chat format needs as single ids. The first three are special (never produced by
 # decoding plain text); the tool and think markers are ordinary added tokens, as in Qwen2.5, so
