@@ -21,7 +21,9 @@ runs (`sync.release_memory` off, the default when both fit). What each part hold
 - SGLang and vLLM servers take the fraction of the GPU their arguments give (`mem_fraction_static`,
   `gpu_memory_utilization`; vLLM's default 0.9; SGLang chooses its own when unset).
 - the warm-start runs before the parts start, alone on the GPU, and gives its memory back: it is
-  shown, not added.
+  shown, not added. Engines under `sync.release_memory` give theirs back while the trainer computes:
+  they count against the fixed parts (the trainer's state stays while they generate), not against
+  the room for a micro-batch.
 
 Check: `fixed` adds up the fixed parts exactly as listed (the tests compare the trainer's to the bytes
 a real backend allocates); a run is refused before it starts only when the fixed parts alone exceed
@@ -114,6 +116,8 @@ class Share:
     """Item -> bytes it may grow to (the engine's cache)."""
     alone: bool = False
     """Runs before the others and gives its memory back (the warm-start): not added to the total."""
+    released: bool = False
+    """Gives its memory back while the trainer computes (an engine under `sync.release_memory`)."""
 
     @property
     def held(self) -> float:
@@ -138,8 +142,11 @@ class Plan:
 
     @property
     def tokens_that_fit(self) -> int:
-        """Tokens of a micro-batch that fit beside the fixed parts (0 when those alone do not fit)."""
-        room = self.gpu_bytes - self.fixed
+        """Tokens of a micro-batch that fit beside the parts that stay while the trainer computes (0 when
+        the fixed parts alone do not fit)."""
+        if self.fixed > self.gpu_bytes:
+            return 0
+        room = self.gpu_bytes - sum(s.held for s in self.shares if not (s.alone or s.released))
         return max(0, int(room // self.per_token)) if self.per_token else 0
 
     def verdict(self) -> str:
@@ -219,6 +226,8 @@ def plan(cfg: Config, shape: ModelShape, gpu_bytes: float, teacher: ModelShape |
         else:
             server = server_share(cfg, gpu_bytes)
             shares += [server] * cfg.engine.num_engines if server is not None else []
+    for s in shares[1:]:
+        s.released = bool(cfg.sync.release_memory)
     if teacher is not None and not cfg.train.distill.urls:
         shares.append(engine_share(cfg, teacher, "teacher engine (train.distill)"))
     if cfg.warmstart.enabled:

@@ -54,7 +54,7 @@ def test_config_show_prints_the_resolved_config(tmp_path: Path) -> None:
         (["serve", "--host", "0.0.0.0"], "--host 0.0.0.0 is not loopback: give --admin-token"),
         (["rollout", "configs/local.yaml", "--split", "dev"], "--split: got 'dev'; expected 'train' or 'eval'"),
         (["rollout", "configs/local.yaml", "env.name=envs.nope:X"], "env.name: cannot import module 'envs.nope'"),
-        (["bench", "nope"], "unknown benchmark 'nope'; available: agent_endpoint, async_vs_sync"),
+        (["bench", "nope"], "unknown benchmark 'nope'; available: adaptive_concurrency, agent_endpoint, async_vs_sync"),
         (["bench", "codec", "train.loss=sapo"],
          "benchmark codec takes no config overrides (those that do: learning, learning_moe)"),
         (["bench", "learning", "--quick", "train.los=sapo"], "train.los: unknown key; did you mean 'loss'?"),

@@ -105,7 +105,8 @@ def test_the_engines_fixed_memory_is_what_the_embedded_engine_allocates(tiny_mod
 
 
 def test_the_verdict_says_whether_the_run_fits_and_what_to_change(tiny_model_dir: Path) -> None:
-    cfg = load_config(None, ["train.micro_batch_size=4", "train.max_seq_len=256", "engine.max_batch_size=8"])
+    cfg_args = ["train.micro_batch_size=4", "train.max_seq_len=256", "engine.max_batch_size=8"]
+    cfg = load_config(None, cfg_args)
     shape = model_shape_of(tiny_model_dir)
     fixed = plan(cfg, shape, 1e12).fixed
     per_token = plan(cfg, shape, 1e12).per_token
@@ -122,6 +123,10 @@ def test_the_verdict_says_whether_the_run_fits_and_what_to_change(tiny_model_dir
     assert full.verdict().startswith("does not fit") and full.tokens_that_fit == 0
     with pytest.raises(ConfigError, match=r"GPU memory: does not fit.*engine.max_batch_size.*\(trainer .* GB, engine"):
         check_fits(full)
+    # engines that give their memory back while the trainer computes leave it the room they held
+    released = plan(load_config(None, [*cfg_args, "sync.release_memory=true"]), shape, fixed + per_token * 100.5)
+    assert released.fixed == tight.fixed and released.tokens_that_fit > tight.tokens_that_fit
+    assert released.tokens_that_fit == int((fixed + per_token * 100.5 - released.shares[0].held) // per_token)
     # the warm-start runs before the parts and gives its memory back: shown, never added
     warm = plan(load_config(None, ["warmstart.enabled=true"]), shape, 1e12)
     assert any(s.alone for s in warm.shares) and warm.fixed == plan(load_config(None, []), shape, 1e12).fixed
