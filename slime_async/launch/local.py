@@ -39,6 +39,8 @@ from slime_async.rundir.run_log import append_event
 from slime_async.types.oom import OUT_OF_MEMORY_EXIT
 
 HOST, PORT, CONFIG = "@HOST@", "@PORT@", "@CONFIG@"
+SECOND_PORT = "@SECOND_PORT@"
+"""A second port a part needs (the router's metrics), chosen free on its host each time it starts."""
 PORT_TRIES = 3
 """Ports a part is started on before its start fails: a port found free can be taken before the part binds it."""
 """Placeholders in a part's command line, filled in where the process starts: the address it binds
@@ -302,7 +304,7 @@ class LocalLauncher:
         port = self.cfg.engine.router.port
         if restarts:  # the rollout workers already point at it: same address
             port = int(self.rollout_urls[0].rsplit(":", 1)[1])
-        return self.spawn("router", router_argv(self.cfg, self.engine_urls, HOST, PORT), None,
+        return self.spawn("router", router_argv(self.cfg, self.engine_urls, HOST, PORT, SECOND_PORT), None,
                           health_url=f"http://{HOST}:{PORT}", port=port)
 
     def _start_trainer(self) -> None:
@@ -406,7 +408,10 @@ def _quiet(message: str) -> None:
 
 
 def fill(text: str, host: str, port: int, config: str) -> str:
-    """`text` with the placeholders replaced."""
+    """`text` with the placeholders replaced (`SECOND_PORT` by a port free on `host` now, so that each
+    start of a part, a retry or a restart, gets one of its own)."""
+    if SECOND_PORT in text:
+        text = text.replace(SECOND_PORT, str(free_port(host)))
     return text.replace(HOST, host).replace(PORT, str(port)).replace(CONFIG, config)
 
 

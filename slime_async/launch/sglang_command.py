@@ -117,11 +117,18 @@ def router_executable() -> str:
     return found
 
 
-def router_argv(cfg: Config, worker_urls: list[str], host: str, port: int | str) -> list[str]:
-    """`sglang-router launch` in front of `worker_urls`, with `engine.router`'s policy and options."""
+def router_argv(cfg: Config, worker_urls: list[str], host: str, port: int | str, metrics_port: int | str) -> list[str]:
+    """`sglang-router launch` in front of `worker_urls`, with `engine.router`'s policy and options. Its
+    Prometheus metrics go to `host:metrics_port` unless `engine.router.args` says where: the router's
+    default, 0.0.0.0:29000, faces every interface, and a second router on the machine (another run's)
+    dies at start on that port."""
     r = cfg.engine.router
     argv = [router_executable(), "launch", "--worker-urls", *worker_urls, "--host", host, "--port", str(port),
             "--policy", r.policy]
+    if "prometheus_port" not in r.args:
+        argv += ["--prometheus-port", str(metrics_port)]
+    if "prometheus_host" not in r.args:
+        argv += ["--prometheus-host", host]
     for name, value in r.args.items():
         flag = "--" + name.replace("_", "-")
         if value is True:

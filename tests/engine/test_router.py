@@ -6,7 +6,6 @@ import asyncio
 import json
 import signal
 import socket
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -16,7 +15,10 @@ import pytest
 import torch
 from helpers import PROMPTS, greedy_body, hf_greedy
 
+from slime_async.config import load_config
+from slime_async.launch.local import HOST, PORT, SECOND_PORT, fill
 from slime_async.launch.process import ChildProcess, start_engine, start_process
+from slime_async.launch.sglang_command import router_argv
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +35,16 @@ async def workers(session: aiohttp.ClientSession, url: str) -> dict[str, bool]:
 
 
 def start_router(worker_urls: list[str], log_dir: Path) -> tuple[ChildProcess, str]:
-    """The router on a free port, its output logged. A port found free can be taken by another process
-    before the router binds it (it then exits: "Address already in use"): try another, a few times."""
+    """The router as the launcher starts it (`router_argv`: its metrics on a free port of their own), on a
+    free port, its output logged. A port found free can be taken by another process before the router
+    binds it (it then exits: "Address already in use"): try other ports, a few times."""
+    cfg = load_config(None, ["engine.router.enabled=true", "engine.router.policy=round_robin",
+                             "engine.router.args={health_check_interval_secs: 1, health_failure_threshold: 1, "
+                             "log_level: warn}"])
     for attempt in range(3):
         port = free_port()
-        router = start_process(
-            "router", [str(Path(sys.executable).with_name("sglang-router")), "launch", "--worker-urls", *worker_urls,
-                       "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-                       "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--log-level", "warn"],
-            None, log_path=log_dir / f"router-{attempt}.log")
+        argv = [fill(a, "127.0.0.1", port, "") for a in router_argv(cfg, worker_urls, HOST, PORT, SECOND_PORT)]
+        router = start_process("router", argv, None, log_path=log_dir / f"router-{attempt}.log")
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):  # bounded (120 s): it binds at once, before its workers are healthy
             if not router.alive():
@@ -124,3 +127,20 @@ async def test_router_routes_to_both_engines_and_detects_a_dead_one(
             router.stop()
         a.stop()
         b.stop()
+
+
+def test_two_routers_run_side_by_side(tmp_path: Path) -> None:
+    """Two runs on one machine, each with its router: sglang-router's metrics listener defaults to
+    0.0.0.0:29000, where the second router died at start (CI: two test workers, each with a router);
+    the launcher gives each its own port on the run's host."""
+    first, first_url = start_router(["http://127.0.0.1:1"], tmp_path / "first")
+    try:
+        second, second_url = start_router(["http://127.0.0.1:1"], tmp_path / "second")
+        try:
+            assert first.alive() and second.alive() and first_url != second_url
+            metrics = [a for r in (first, second) for a in r.argv[r.argv.index("--prometheus-port") + 1:][:1]]
+            assert len(set(metrics)) == 2 and "29000" not in metrics
+        finally:
+            second.stop()
+    finally:
+        first.stop()

@@ -122,9 +122,14 @@ def test_launcher_owned_fields_are_serverargs_fields() -> None:
 def test_router_command() -> None:
     cfg = load_config(None, ["engine.router.enabled=true", "engine.router.policy=round_robin",
                              "engine.router.args={health_check_interval_secs: 1, disable_retries: true}"])
-    argv = router_argv(cfg, ["http://a:1", "http://b:2"], "127.0.0.1", 8000)
+    argv = router_argv(cfg, ["http://a:1", "http://b:2"], "127.0.0.1", 8000, 8001)
     assert argv[1:] == ["launch", "--worker-urls", "http://a:1", "http://b:2", "--host", "127.0.0.1", "--port",
-                        "8000", "--policy", "round_robin", "--health-check-interval-secs", "1", "--disable-retries"]
+                        "8000", "--policy", "round_robin", "--prometheus-port", "8001", "--prometheus-host",
+                        "127.0.0.1", "--health-check-interval-secs", "1", "--disable-retries"]
+    # where the config says where its metrics go, that stands
+    own = load_config(None, ["engine.router.args={prometheus_port: 9100, prometheus_host: 0.0.0.0}"])
+    argv = router_argv(own, ["http://a:1"], "127.0.0.1", 8000, 8001)
+    assert argv[-4:] == ["--prometheus-port", "9100", "--prometheus-host", "0.0.0.0"] and "8001" not in argv
 
 
 @pytest.mark.parametrize(("which", "replay", "expected"), [
