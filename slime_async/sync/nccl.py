@@ -75,9 +75,10 @@ class NcclBroadcaster:
         self._abandoned = threading.Event()
 
     @staticmethod
-    def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future:
+    def _in_daemon_thread(fn: Any, *args: Any) -> tuple[asyncio.Future, threading.Thread]:
         """Run a blocking rendezvous in a daemon thread: if an engine refuses, nothing waits for it
-        (the default executor's threads are joined at loop shutdown, which would wait for the timeout)."""
+        (the default executor's threads are joined at loop shutdown, which would wait for the timeout).
+        The future settles just before the thread ends: join the thread where it must be gone."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
@@ -94,8 +95,9 @@ class NcclBroadcaster:
             with contextlib.suppress(RuntimeError):  # the loop may be gone by then
                 loop.call_soon_threadsafe(settle, result, error)
 
-        threading.Thread(target=run, name="weight-update-group", daemon=True).start()
-        return future
+        thread = threading.Thread(target=run, name="weight-update-group", daemon=True)
+        thread.start()
+        return future, thread
 
     def _form_group(self, port: int, world_size: int) -> Any:
         return init_weight_update_group(self.backend, self.cfg.nccl_master_address, port, 0, world_size,
@@ -123,7 +125,7 @@ class NcclBroadcaster:
             port = self.cfg.nccl_master_port or _free_port()
             world = 1 + len(urls)
             self._abandoned.clear()
-            forming = self._in_daemon_thread(self._form_group, port, world)
+            forming, thread = self._in_daemon_thread(self._form_group, port, world)
             inits = [asyncio.ensure_future(self.publisher.post(u, "/init_weights_update_group", {
                 "master_address": self.cfg.nccl_master_address, "master_port": port, "rank_offset": 1 + i,
                 "world_size": world, "group_name": GROUP_NAME, "backend": self.backend,
@@ -137,6 +139,9 @@ class NcclBroadcaster:
                 await asyncio.to_thread(self._abandon, port, world)
                 with contextlib.suppress(Exception):
                     await forming  # returns at once now; no thread is left inside torch
+                # and the thread itself is gone (it settled the future on its way out; CI once saw it
+                # still alive at that instant)
+                await asyncio.to_thread(thread.join, self.cfg.timeout_s)
                 raise
             self.group = await forming
 
