@@ -326,7 +326,7 @@ def config_memory(
         table.add_row(part, item, amount)
     console.print(table)
     console.print(p.verdict(), highlight=False, soft_wrap=True)
-    if p.fixed > p.gpu_bytes:
+    if not p.fits:
         raise typer.Exit(1)
 
 

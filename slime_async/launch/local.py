@@ -39,12 +39,12 @@ from slime_async.rundir.run_log import append_event
 from slime_async.types.oom import OUT_OF_MEMORY_EXIT
 
 HOST, PORT, CONFIG = "@HOST@", "@PORT@", "@CONFIG@"
+"""Placeholders in a part's command line, filled in where the process starts: the address it binds
+to and announces, a port (the requested one, or a free one there), the config file it reads."""
 SECOND_PORT = "@SECOND_PORT@"
 """A second port a part needs (the router's metrics), chosen free on its host each time it starts."""
 PORT_TRIES = 3
 """Ports a part is started on before its start fails: a port found free can be taken before the part binds it."""
-"""Placeholders in a part's command line, filled in where the process starts: the address it binds
-to and announces, a port (the requested one, or a free one there), the config file it reads."""
 
 ENGINE_READY = r"serving on (http://\S+)"
 
@@ -131,7 +131,7 @@ class LocalLauncher:
     """Shows an event on the console; `start` sets it."""
 
     def start(self, on_event: Callable[[str], None] | None = None) -> None:
-        self._on_event = on_event or (lambda message: None)
+        self._on_event = on_event or _quiet
         if self.cfg.train.world_size > 1 and self.with_trainer and not self.distributed:
             raise ConfigError(f"train.world_size={self.cfg.train.world_size}: local mode runs one trainer rank; "
                               "use `slime-async train CONFIG --ray` for more")

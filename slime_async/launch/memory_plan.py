@@ -141,10 +141,21 @@ class Plan:
         return sum(sum(s.per_token.values()) for s in self.shares if not s.alone)
 
     @property
+    def fits(self) -> bool:
+        """Whether the fixed parts fit at all (a micro-batch too long may still not)."""
+        return self.fixed <= self.gpu_bytes
+
+    def summary(self, per_token: bool = True) -> str:
+        """Each part that runs with the others, in one line: what it holds (and per micro-batch token)."""
+        return ", ".join(f"{s.part} {s.held / GB:.1f} GB" + (f" + {sum(s.per_token.values()) / 1e6:.2f} MB a "
+                                                            "micro-batch token" if per_token and s.per_token else "")
+                         for s in self.shares if not s.alone)
+
+    @property
     def tokens_that_fit(self) -> int:
         """Tokens of a micro-batch that fit beside the parts that stay while the trainer computes (0 when
         the fixed parts alone do not fit)."""
-        if self.fixed > self.gpu_bytes:
+        if not self.fits:
             return 0
         room = self.gpu_bytes - sum(s.held for s in self.shares if not (s.alone or s.released))
         return max(0, int(room // self.per_token)) if self.per_token else 0
@@ -152,7 +163,7 @@ class Plan:
     def verdict(self) -> str:
         """One line: whether the run fits on this GPU, and what to change when it does not."""
         gpu, fixed = self.gpu_bytes / GB, self.fixed / GB
-        if self.fixed > self.gpu_bytes:
+        if not self.fits:
             return (f"does not fit: the parts' fixed memory alone is {fixed:.1f} GB of the GPU's {gpu:.1f} GB; "
                     "split the trainer over more GPUs (train.megatron.tensor_parallel), train adapters "
                     "(train.lora), or give the engine fewer slots (engine.max_batch_size)")
@@ -277,6 +288,5 @@ def plan_for(cfg: Config, gpu_bytes: float) -> Plan:
 def check_fits(p: Plan) -> None:
     """Refuse a run whose fixed parts alone exceed the GPU: it would run out of memory for certain, after
     minutes of starting (and of a warm-start)."""
-    if p.fixed > p.gpu_bytes:
-        held = ", ".join(f"{s.part} {s.held / GB:.1f} GB" for s in p.shares if not s.alone)
-        raise ConfigError(f"GPU memory: {p.verdict()} ({held})")
+    if not p.fits:
+        raise ConfigError(f"GPU memory: {p.verdict()} ({p.summary(per_token=False)})")

@@ -152,10 +152,7 @@ def _check_gpu_memory(cfg: Config, console: Console) -> None:
         if not torch.cuda.is_available():  # a GPU this torch cannot use: the parts run on the CPU
             return
     p = plan_for(cfg, gpu)
-    held = ", ".join(f"{s.part} {s.held / GB:.1f} GB" + (f" + {sum(s.per_token.values()) / 1e6:.2f} MB a "
-                                                         "micro-batch token" if s.per_token else "")
-                     for s in p.shares if not s.alone)
-    console.print(f"GPU memory ({gpu / GB:.0f} GB): {held}; {p.verdict()} (slime-async config memory)",
+    console.print(f"GPU memory ({gpu / GB:.0f} GB): {p.summary()}; {p.verdict()} (slime-async config memory)",
                   highlight=False)
     check_fits(p)
 
